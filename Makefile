@@ -1,0 +1,47 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    create .venv if missing, install, run the main job on the embedded CPU default
+#   make test   create .venv if missing, install, run ruff and the CPU test suite
+#
+# On a CPU machine torch is installed first from TORCH_SPEC, so no CUDA wheels are pulled in;
+# on a GPU machine set TORCH_SPEC to the build you want (or an installed one), and add `.[gpu]`.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= test
+STAMP := $(VENV)/.installed
+KIT ?= runs/tiny-kit
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-slow lint bench clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+# The main job. Until the pipeline stages land it builds the tiny kit and validates the tiny
+# pipeline config; later it runs the whole pipeline (convert -> sft -> ... -> export).
+run: $(STAMP)
+	$(BIN)/slime datasets make-tiny $(KIT)
+	$(BIN)/slime config show --config deployments/tiny-cpu.yaml
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "slow and not gpu" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python bench/shards.py
+
+clean-venv:
+	rm -rf $(VENV)

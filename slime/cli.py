@@ -1,0 +1,121 @@
+"""`slime` command line: one subcommand per library stage, plus store and dataset utilities.
+
+Only commands that work are registered; stages arrive with the issues that build them. Every stage
+command takes `--config FILE` followed by `--flag value` overrides with slime's flag names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+import yaml
+
+from slime.errors import SlimeError
+
+logger = logging.getLogger("slime")
+
+
+def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Resolve and validate a config; print it with the hash of every section."""
+    from slime.config import load_config
+
+    config = load_config(args.config, overrides)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    print("# section hashes (cache keys):")
+    for section in type(config).model_fields:
+        print(f"#   {section}: {config.section_hash(section)[:16]}")
+    return 0
+
+
+def _shards_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Print a shard set's manifest summary, schema, row count and checksum status."""
+    from slime.storage import ShardSet
+    from slime.storage.fs import normalize_uri
+
+    shard_set = ShardSet.open(normalize_uri(args.uri), json.loads(args.storage_options))
+    m = shard_set.manifest
+    print(f"shard set     {shard_set.uri}")
+    print(f"committed at  {m.created_at} by {m.producer}")
+    print(f"format        {m.format}, schema version {m.schema_version}")
+    print(f"rows          {m.num_rows} in {len(m.files)} files, {sum(f.bytes for f in m.files)} bytes")
+    print(f"config hash   {m.config_hash}")
+    if m.metadata:
+        print(f"metadata      {json.dumps(m.metadata, sort_keys=True)}")
+    tables = shard_set.iter_tables()
+    first = next(tables, None)
+    if first is not None:
+        print("schema:")
+        for field in first.schema:
+            print(f"  {field.name}: {field.type}")
+    problems = shard_set.verify()
+    leftovers = shard_set.unreferenced_files()
+    if leftovers:
+        print(f"unreferenced  {len(leftovers)} files not in the manifest (from failed writers): {leftovers}")
+    if problems:
+        print("checksums     FAILED")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    print(f"checksums     ok ({len(m.files)} files verified)")
+    return 0
+
+
+def _datasets_make_tiny(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Build the tiny tokenizer, model and arithmetic data (offline, deterministic)."""
+    from slime.data.tiny import load_recipe, make_tiny_kit
+
+    kit = make_tiny_kit(args.out_dir, load_recipe(args.recipe))
+    print(f"tiny kit ready in {kit.root}")
+    print(f"  model + tokenizer: {kit.model_dir}")
+    print(f"  train prompts:     {kit.train}")
+    print(f"  eval prompts:      {kit.eval}")
+    print(f"  SFT conversations: {kit.sft}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slime", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = commands.add_parser("config", help="inspect configurations").add_subparsers(dest="sub", required=True)
+    show = config.add_parser("show", help="print the resolved config and section hashes",
+                             description="Extra --flag value arguments override the file, with slime's flag names.")
+    show.add_argument("--config", help="YAML config file")
+    show.set_defaults(handler=_config_show, takes_overrides=True)
+
+    shards = commands.add_parser("shards", help="artifact store shard sets").add_subparsers(dest="sub", required=True)
+    inspect = shards.add_parser("inspect", help="manifest, schema, row count and checksum status of a shard set")
+    inspect.add_argument("uri", help="shard set directory (any fsspec URL)")
+    inspect.add_argument("--storage-options", default="{}", help="fsspec options as JSON")
+    inspect.set_defaults(handler=_shards_inspect)
+
+    datasets = commands.add_parser("datasets", help="bundled data sets").add_subparsers(dest="sub", required=True)
+    tiny = datasets.add_parser("make-tiny", help="build the tiny model kit (tokenizer, Qwen2 model, task data)")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--recipe", help="recipe YAML (default: datasets/tiny/recipe.yaml)")
+    tiny.set_defaults(handler=_datasets_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler: Callable[[argparse.Namespace, list[str]], int] = args.handler
+    try:
+        return handler(args, extra)
+    except SlimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,590 @@
+"""The one typed configuration tree: YAML file, then `--flag value` overrides, validated once.
+
+Layout. The YAML file is nested by section (`rollout:`, `algorithm:`, ...); every field name is
+unique across sections and keeps slime's flag name, so `--rollout-batch-size 8` on the command line
+sets `rollout.rollout_batch_size`, exactly as a slime user would write it. Three sections are
+pass-through dicts instead of typed fields:
+
+* `sglang`: every `--sglang-<flag>` (SGLang `ServerArgs`), forwarded verbatim to the engines;
+* `router`: every `--router-<flag>` (sglang-router), forwarded to the router;
+* `megatron`: Megatron flags that slime does not model itself (`--tensor-model-parallel-size 2`),
+  checked against megatron-core's config dataclasses when an unknown flag is seen.
+
+Errors name the file and line (YAML) or the flag (CLI) that is wrong. `section_hash` gives a stable
+content hash of any section, which the orchestration layer uses as a cache key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import hashlib
+import json
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slime.errors import ConfigError
+
+# ----------------------------------------------------------------------------- sections
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    """Where artifacts go and how the run is identified."""
+
+    store: str = Field("./runs", description="artifact store root: any fsspec URL (./runs, s3://bucket/x)")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the store")
+    run_id: str | None = Field(None, description="run directory under the store; reuse it to resume")
+    seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")
+
+
+class ClusterConfig(_Section):
+    """Placement of train actors and rollout engines (slime's cluster flags)."""
+
+    actor_num_nodes: int = Field(1, ge=1)
+    actor_num_gpus_per_node: int = Field(1, ge=1)
+    rollout_num_gpus: int | None = Field(None, ge=0, description="None: actor GPU count when colocated")
+    rollout_num_gpus_per_engine: int = Field(1, ge=1)
+    num_gpus_per_node: int = Field(8, ge=1)
+    colocate: bool = Field(False, description="train and rollout share GPUs (implies both offloads)")
+    offload_train: bool | None = Field(None, description="None: same as colocate")
+    offload_rollout: bool | None = Field(None, description="None: same as colocate")
+    ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
+
+
+class CheckpointConfig(_Section):
+    """Model sources and checkpoint destinations."""
+
+    hf_checkpoint: str | None = Field(None, description="HF model dir: tokenizer, engine init, conversion source")
+    model_name: str | None = None
+    ref_load: str | None = Field(None, description="reference model checkpoint (KL, initial weights)")
+    load: str | None = Field(None, description="checkpoint to resume from")
+    save: str | None = Field(None, description="checkpoint directory")
+    save_interval: int | None = Field(None, ge=1, description="save every N rollouts (and at the end)")
+    save_hf: str | None = Field(None, description="also write HF weights here when saving")
+    no_save_optim: bool = False
+
+
+class DataConfig(_Section):
+    """Prompt data (JSONL or Parquet at any fsspec URL; `path@[a:b]` slices)."""
+
+    prompt_data: str | None = None
+    input_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_key: str | None = "metadata"
+    tool_key: str | None = "tools"
+    apply_chat_template: bool = False
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    rollout_shuffle: bool = False
+    rollout_max_prompt_len: int | None = Field(None, ge=1)
+    num_epoch: int | None = Field(None, ge=1, description="sets num_rollout from the data size when unset")
+
+
+class RolloutConfig(_Section):
+    """Generation: batch shape, sampling parameters and the rollout plugins."""
+
+    rollout_batch_size: int | None = Field(None, ge=1, description="prompts (groups) per rollout step")
+    n_samples_per_prompt: int = Field(1, ge=1)
+    over_sampling_batch_size: int | None = Field(None, ge=1, description="groups submitted at once")
+    num_rollout: int | None = Field(None, ge=0, description="RL steps; 0 means evaluation only")
+    rollout_temperature: float = Field(1.0, gt=0)
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    rollout_top_k: int = -1
+    rollout_max_response_len: int | None = Field(None, ge=1)
+    rollout_max_context_len: int | None = Field(None, ge=1)
+    rollout_stop: list[str] | None = None
+    rollout_stop_token_ids: list[int] | None = None
+    rollout_skip_special_tokens: bool = False
+    rollout_seed: int = 42
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    sglang_server_concurrency: int = Field(512, ge=1, description="in-flight requests per engine")
+    rollout_function_path: str = "slime.rollout.generate_rollout"
+    custom_generate_function_path: str | None = None
+    dynamic_sampling_filter_path: str | None = None
+    buffer_filter_path: str | None = None
+    rollout_sample_filter_path: str | None = None
+    rollout_all_samples_process_path: str | None = None
+
+
+class RewardConfig(_Section):
+    """How responses are scored."""
+
+    rm_type: str | None = Field(None, description="built-in reward (math, dapo, deepscaler, f1, gpqa, ...)")
+    rm_url: str | None = Field(None, description="endpoint for rm_type remote_rm")
+    custom_rm_path: str | None = None
+    group_rm: bool = False
+    reward_key: str | None = Field(None, description="entry of a dict reward to train on")
+    custom_reward_post_process_path: str | None = None
+
+
+AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimator and loss (slime's names and defaults)."""
+
+    advantage_estimator: AdvantageEstimator = "grpo"
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    custom_loss_function_path: str | None = None
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(None, gt=0, description="None: same as eps_clip")
+    eps_clip_c: float | None = Field(None, description="dual-clip constant; must be > 1")
+    value_clip: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL as a reward penalty (exclusive with use_kl_loss)")
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    entropy_coef: float = 0.0
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)
+    normalize_advantages: bool = False
+    disable_rewards_normalization: bool = False
+    disable_grpo_std_normalization: bool = False
+    use_rollout_logprobs: bool = False
+    use_tis: bool = False
+    tis_clip: float = Field(2.0, gt=0)
+    tis_clip_low: float = Field(0.0, ge=0)
+    calculate_per_token_loss: bool = False
+
+
+class TrainConfig(_Section):
+    """Optimisation and batching of the trainer."""
+
+    global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
+    num_steps_per_rollout: int | None = Field(None, ge=1, description="alternative to global_batch_size")
+    micro_batch_size: int = Field(1, ge=1)
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    lr: float = Field(1e-6, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+
+
+class SftConfig(_Section):
+    """Supervised fine-tuning (cold start) data and epochs."""
+
+    sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
+    messages_key: str = "messages"
+    sft_num_epoch: int = Field(1, ge=1)
+
+
+class EvalConfig(_Section):
+    """Periodic and stand-alone evaluation."""
+
+    eval_interval: int | None = Field(None, ge=1)
+    eval_prompt_data: dict[str, str] | None = Field(None, description="dataset name -> path")
+    eval_config: str | None = Field(None, description="YAML with per-dataset eval settings")
+    skip_eval_before_train: bool = False
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    eval_temperature: float | None = Field(None, ge=0)
+    eval_top_p: float | None = Field(None, gt=0, le=1)
+    eval_top_k: int | None = None
+    eval_max_response_len: int | None = Field(None, ge=1)
+    eval_input_key: str | None = None
+    eval_label_key: str | None = None
+
+
+class EngineConfig(_Section):
+    """Which inference engine serves rollouts and where the router is."""
+
+    engine: Literal["builtin", "sglang"] = "builtin"
+    sglang_router_ip: str = "127.0.0.1"
+    sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
+
+
+class SyncConfig(_Section):
+    """Weight synchronisation from trainer to engines."""
+
+    update_weights_interval: int = Field(1, ge=1)
+    update_weight_buffer_size: int = Field(512 * 1024**2, ge=1, description="bytes per bucket")
+    update_weight_disk_dir: str | None = None
+
+
+class Config(BaseModel):
+    """The whole configuration. Sections are typed; `sglang`, `router`, `megatron` pass through."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    sglang: dict[str, Any] = Field(default_factory=dict)
+    router: dict[str, Any] = Field(default_factory=dict)
+    megatron: dict[str, Any] = Field(default_factory=dict)
+
+    def section_hash(self, *sections: str) -> str:
+        """sha256 of the canonical JSON of the named sections (all of them when none is named).
+
+        Stable across processes and key order; any changed value changes it.
+        """
+        names = sections or tuple(type(self).model_fields)
+        for name in names:
+            if name not in type(self).model_fields:
+                raise ConfigError(f"unknown config section {name!r}; sections: {list(type(self).model_fields)}")
+        payload = {name: _dump(getattr(self, name)) for name in names}
+        return stable_hash(payload)
+
+    def require(self, *fields: str, stage: str) -> None:
+        """Fail early, naming every missing field, when a stage needs fields that default to None."""
+        missing = []
+        for dotted in fields:
+            section, name = dotted.split(".")
+            if getattr(getattr(self, section), name) is None:
+                missing.append(f"{dotted} (--{name.replace('_', '-')})")
+        if missing:
+            raise ConfigError(f"stage {stage!r} needs: {', '.join(missing)}")
+
+    def as_namespace(self) -> argparse.Namespace:
+        """Flat `args` with slime's attribute names, for plugins written against slime.
+
+        Pass-through sections appear as `sglang_<flag>` / `router_<flag>` attributes and Megatron
+        flags under their own names, as slime's merged parser would give them.
+        """
+        flat: dict[str, Any] = {}
+        for section in _TYPED_SECTIONS:
+            flat.update(getattr(self, section).model_dump())
+        flat.update({f"sglang_{k}": v for k, v in self.sglang.items()})
+        flat.update({f"router_{k}": v for k, v in self.router.items()})
+        for key, value in self.megatron.items():
+            flat.setdefault(key, value)
+        return argparse.Namespace(**flat)
+
+
+_PASS_THROUGH = ("sglang", "router", "megatron")
+_TYPED_SECTIONS = tuple(name for name in Config.model_fields if name not in _PASS_THROUGH)
+
+
+def _build_field_index() -> dict[str, str]:
+    """flat field name -> section. Names must be unique so that flat CLI flags are unambiguous."""
+    index: dict[str, str] = {}
+    for section in _TYPED_SECTIONS:
+        for name in Config.model_fields[section].annotation.model_fields:
+            if name in index:
+                raise RuntimeError(f"config field {name!r} is defined in both {index[name]!r} and {section!r}")
+            index[name] = section
+    return index
+
+
+FIELD_SECTION: dict[str, str] = _build_field_index()
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def stable_hash(payload: Any) -> str:
+    """sha256 hex of canonical JSON (sorted keys, no whitespace): equal content, equal hash."""
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+def _key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+    """Record the 1-based line of every mapping key, by dotted path, for error messages."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+            out[path] = key_node.start_mark.line + 1
+            _key_lines(value_node, path, out)
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    lines: dict[str, int] = {}
+    _key_lines(node, "", lines)
+    return data, lines
+
+
+def _check_yaml_keys(data: dict[str, Any], where: dict[str, str]) -> None:
+    """Unknown sections or fields, with the section a misplaced flat key belongs to."""
+    for key, value in data.items():
+        if key in _PASS_THROUGH:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where.get(key, key)}: section {key!r} must be a mapping")
+            continue
+        if key not in _TYPED_SECTIONS:
+            hint = f"; it belongs under '{FIELD_SECTION[key]}:'" if key in FIELD_SECTION else _suggest(
+                key, [*_TYPED_SECTIONS, *_PASS_THROUGH]
+            )
+            raise ConfigError(f"{where.get(key, key)}: unknown section {key!r}{hint}")
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where.get(key, key)}: section {key!r} must be a mapping")
+        for name in value:
+            if FIELD_SECTION.get(name) != key:
+                path = f"{key}.{name}"
+                if name in FIELD_SECTION:
+                    hint = f"; it belongs under '{FIELD_SECTION[name]}:'"
+                else:
+                    hint = _suggest(name, [n for n, s in FIELD_SECTION.items() if s == key])
+                raise ConfigError(f"{where.get(path, path)}: unknown field {path!r}{hint}")
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# ----------------------------------------------------------------------------- CLI overrides
+
+
+def _scalar(text: str) -> Any:
+    """A pass-through value as a typed scalar: JSON/YAML number, bool, list or dict, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, int | float | bool | list | dict) else text
+
+
+def _field_kind(section: str, name: str) -> str:
+    """'bool', 'list', 'dict' or 'scalar': decides how many CLI tokens a flag consumes."""
+    annotation = Config.model_fields[section].annotation.model_fields[name].annotation
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    kinds = {get_origin(a) or a for a in members} - {type(None)}
+    if kinds == {bool}:
+        return "bool"
+    if list in kinds:
+        return "list"
+    if dict in kinds:
+        return "dict"
+    return "scalar"
+
+
+def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """`--flag value` tokens -> (nested override dict, dotted path -> flag for error messages).
+
+    Bool flags take no value (`--colocate`) or an explicit one (`--colocate false`); list flags take
+    values up to the next `--flag`; dict flags take JSON (`--eval-prompt-data` also accepts
+    `name path [name path ...]`, as in slime).
+    """
+    nested: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"unexpected argument {token!r}: options look like --rollout-batch-size 8")
+        flag, _, inline = token[2:].partition("=")
+        values: list[str] = [inline] if inline else []
+        i += 1
+        if not inline:
+            while i < len(tokens) and not (tokens[i].startswith("--") and len(tokens[i]) > 2):
+                values.append(tokens[i])
+                i += 1
+        name = flag.replace("-", "_")
+        for prefix in ("sglang", "router"):
+            if name.startswith(prefix + "_") and name not in FIELD_SECTION:
+                key = name[len(prefix) + 1 :]
+                nested.setdefault(prefix, {})[key] = _pass_value(token, values)
+                origin[f"{prefix}.{key}"] = f"--{flag}"
+                break
+        else:
+            if name in FIELD_SECTION:
+                section = FIELD_SECTION[name]
+                nested.setdefault(section, {})[name] = _typed_value(token, _field_kind(section, name), values)
+                origin[f"{section}.{name}"] = f"--{flag}"
+            else:
+                nested.setdefault("megatron", {})[name] = _pass_value(token, values)
+                origin[f"megatron.{name}"] = f"--{flag}"
+    return nested, origin
+
+
+def _pass_value(flag: str, values: list[str]) -> Any:
+    if not values:
+        return True  # store_true style flag
+    parsed = [_scalar(v) for v in values]
+    return parsed[0] if len(parsed) == 1 else parsed
+
+
+def _typed_value(flag: str, kind: str, values: list[str]) -> Any:
+    if kind == "bool":
+        if not values:
+            return True
+        if len(values) == 1 and values[0].lower() in {"true", "false", "1", "0", "yes", "no"}:
+            return values[0].lower() in {"true", "1", "yes"}
+        raise ConfigError(f"{flag}: expected no value or true/false, got {' '.join(values)!r}")
+    if not values:
+        raise ConfigError(f"{flag}: missing value")
+    if kind == "list":
+        return values
+    if kind == "dict":
+        if len(values) == 1:
+            try:
+                parsed = json.loads(values[0])
+            except ValueError:
+                raise ConfigError(f"{flag}: expected a JSON object, got {values[0]!r}") from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(f"{flag}: expected a JSON object, got {values[0]!r}")
+            return parsed
+        if len(values) % 2:
+            raise ConfigError(f"{flag}: expected JSON or 'name value' pairs, got {len(values)} values")
+        return dict(zip(values[::2], values[1::2], strict=True))
+    if len(values) != 1:
+        raise ConfigError(f"{flag}: expected one value, got {' '.join(values)!r}")
+    return values[0]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply `--flag value` overrides, validate everything once."""
+    data: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    if path is not None:
+        path = Path(path)
+        data, lines = _read_yaml(path)
+        where = {key: f"{path}:{line}" for key, line in lines.items()}
+        _check_yaml_keys(data, where)
+        data = {k: v for k, v in data.items() if v is not None}
+    if overrides:
+        nested, origin = parse_overrides(overrides)
+        data = _merge(data, nested)
+        where.update(origin)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, where)) from None
+    _validate(config, where)
+    return config
+
+
+def _format_validation_error(exc: ValidationError, where: dict[str, str]) -> str:
+    problems = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        # the most specific known location: field, then its section
+        dotted = ".".join(loc[:2])
+        source = where.get(dotted) or where.get(loc[0]) or "config"
+        given = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        problems.append(f"{source}: {'.'.join(loc)}: {err['msg']}{given}")
+    return "invalid configuration:\n  " + "\n  ".join(problems)
+
+
+def _validate(config: Config, where: dict[str, str]) -> None:
+    """Checks that span fields; each message names the fields and where they were set."""
+
+    def fail(field: str, message: str, *related: str) -> None:
+        """Raise naming `field` and where it (and each related field that was set) came from."""
+        source = where.get(field, "config")
+        others = [f"{r} set at {where[r]}" for r in related if r in where]
+        also = f" [{'; '.join(others)}]" if others else ""
+        raise ConfigError(f"{source}: {field}: {message}{also}")
+
+    r, a, t = config.rollout, config.algorithm, config.train
+    if r.rollout_batch_size and t.global_batch_size:
+        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        if samples % t.global_batch_size:
+            fail(
+                "train.global_batch_size",
+                f"rollout_batch_size * n_samples_per_prompt = {r.rollout_batch_size} * "
+                f"{r.n_samples_per_prompt} = {samples} must be a multiple of global_batch_size "
+                f"({t.global_batch_size})",
+                "rollout.rollout_batch_size",
+                "rollout.n_samples_per_prompt",
+            )
+    if t.global_batch_size and t.num_steps_per_rollout:
+        fail("train.num_steps_per_rollout", "set either global_batch_size or num_steps_per_rollout, not both")
+    if t.global_batch_size and t.global_batch_size % t.micro_batch_size and not t.use_dynamic_batch_size:
+        fail("train.micro_batch_size", f"global_batch_size {t.global_batch_size} is not a multiple of "
+             f"micro_batch_size {t.micro_batch_size}")
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        fail("train.use_dynamic_batch_size", "use_dynamic_batch_size needs max_tokens_per_gpu")
+    if r.over_sampling_batch_size and r.rollout_batch_size and r.over_sampling_batch_size < r.rollout_batch_size:
+        fail("rollout.over_sampling_batch_size",
+             f"{r.over_sampling_batch_size} is smaller than rollout_batch_size {r.rollout_batch_size}",
+             "rollout.rollout_batch_size")
+    if a.kl_coef and (a.use_kl_loss or a.kl_loss_coef):
+        fail("algorithm.kl_coef", "kl_coef (reward penalty) and use_kl_loss/kl_loss_coef (loss term) are exclusive",
+             "algorithm.use_kl_loss", "algorithm.kl_loss_coef")
+    if a.kl_loss_coef and not a.use_kl_loss:
+        fail("algorithm.kl_loss_coef", "kl_loss_coef is set but use_kl_loss is false")
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        fail("algorithm.eps_clip_c", f"dual-clip constant must be > 1, got {a.eps_clip_c}")
+    if a.use_tis and a.tis_clip_low >= a.tis_clip:
+        fail("algorithm.tis_clip_low", f"tis_clip_low {a.tis_clip_low} must be below tis_clip {a.tis_clip}")
+    if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
+        fail("algorithm.advantage_estimator", f"{a.advantage_estimator} needs normalize_advantages: true")
+    if config.checkpoint.save_interval and not config.checkpoint.save:
+        fail("checkpoint.save_interval", "save_interval is set but save (the checkpoint directory) is not")
+    if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
+        fail("data.rollout_max_prompt_len", "needs checkpoint.hf_checkpoint for its tokenizer")
+    if config.megatron:
+        unknown = sorted(set(config.megatron) - megatron_flag_names())
+        if unknown:
+            name = unknown[0]
+            hint = _suggest(name, [*FIELD_SECTION, *megatron_flag_names()])
+            fail(f"megatron.{name}", f"unknown option --{name.replace('_', '-')}{hint.replace('_', '-')}")
+
+
+@functools.cache
+def megatron_flag_names() -> frozenset[str]:
+    """Megatron options this project accepts: fields of megatron-core's config dataclasses plus the
+    scheduler/model-shape flags Megatron's own parser defines outside them."""
+    import dataclasses
+    import warnings
+
+    with warnings.catch_warnings():  # megatron warns at import when Transformer Engine / apex are absent
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+
+    names = {f.name for cls in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)
+             for f in dataclasses.fields(cls)}
+    names |= {
+        "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "vocab_size",
+        "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "lr_warmup_init",
+        "start_weight_decay", "end_weight_decay", "weight_decay_incr_style", "untie_embeddings_and_output_weights",
+        "position_embedding_type", "rotary_base", "use_rotary_position_embeddings", "normalization",
+        "swiglu", "disable_bias_linear", "add_qkv_bias", "group_query_attention", "num_query_groups",
+        "norm_epsilon", "transformer_impl", "recompute_activations", "distributed_backend",
+        "sequence_parallel", "use_distributed_optimizer", "ckpt_format", "use_precision_aware_optimizer",
+    }
+    return frozenset(names)

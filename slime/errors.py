@@ -1,0 +1,37 @@
+"""Exception types raised by the library.
+
+Every error a user can cause (bad config, bad data, a missing or corrupt artifact) has its own type
+so callers can react to it, and its message names the file, line or field that is wrong.
+"""
+
+
+class SlimeError(Exception):
+    """Base class of every error raised on purpose by slime."""
+
+
+class ConfigError(SlimeError, ValueError):
+    """The configuration (YAML file or CLI override) is invalid."""
+
+
+class DataFormatError(SlimeError, ValueError):
+    """A data file (prompt JSONL/Parquet, sample dict) is malformed or lacks a required field."""
+
+
+class StorageError(SlimeError):
+    """Base class of artifact-store errors."""
+
+
+class NotCommittedError(StorageError, FileNotFoundError):
+    """An artifact was asked for that has no committed manifest (missing or half-written)."""
+
+
+class AlreadyCommittedError(StorageError, FileExistsError):
+    """A writer tried to commit to a location that another writer has already committed."""
+
+
+class CorruptArtifactError(StorageError):
+    """A committed artifact does not match its manifest (checksum, size, row count, schema)."""
+
+
+class SchemaVersionError(StorageError):
+    """A shard was written with a schema version this code cannot read."""

@@ -1,0 +1,204 @@
+"""Manifests: an artifact (shard set, checkpoint, model directory) exists only once its manifest does.
+
+Writers put their files in place first and publish `manifest.json` last, exclusively: a second
+writer committing to the same location gets `AlreadyCommittedError`, and a reader never sees a
+half-written artifact, because it only ever reads the files the manifest lists and checks each one
+against the recorded size and sha256.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import socket
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slime import __version__
+from slime.errors import AlreadyCommittedError, CorruptArtifactError, NotCommittedError
+from slime.storage.fs import is_local, join_uri, open_fs
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class FileEntry(BaseModel):
+    """One file of an artifact, relative to the artifact's directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    bytes: int
+    sha256: str
+    rows: int | None = None
+
+
+class Manifest(BaseModel):
+    """What a committed artifact holds and who produced it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    manifest_version: int = MANIFEST_VERSION
+    kind: str = Field(description="shard_set, checkpoint, hf_model, tiny_kit, ...")
+    created_at: str = Field(default_factory=lambda: dt.datetime.now(dt.UTC).isoformat())
+    producer: dict[str, Any] = Field(default_factory=dict)
+    config_hash: str | None = None
+    files: list[FileEntry] = Field(default_factory=list)
+    num_rows: int | None = None
+    schema_version: int | None = None
+    format: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True).encode("utf-8")
+
+
+def producer_info(**extra: Any) -> dict[str, Any]:
+    """Who wrote an artifact: host, pid, code version, plus caller fields (stage, run_id, ...)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slime_version": __version__, **extra}
+
+
+def manifest_uri(uri: str) -> str:
+    return join_uri(uri, MANIFEST_NAME)
+
+
+def read_manifest_bytes(uri: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    fs, path = open_fs(manifest_uri(uri), storage_options)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise NotCommittedError(
+            f"{uri} is not a committed artifact: {MANIFEST_NAME} is missing "
+            "(never written, still being written, or its writer failed)"
+        ) from None
+
+
+def parse_manifest(raw: bytes, uri: str) -> Manifest:
+    try:
+        manifest = Manifest.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        raise CorruptArtifactError(f"{manifest_uri(uri)}: unreadable manifest: {exc}") from None
+    if manifest.manifest_version > MANIFEST_VERSION:
+        raise CorruptArtifactError(
+            f"{manifest_uri(uri)}: manifest version {manifest.manifest_version} is newer than this code "
+            f"reads ({MANIFEST_VERSION}); upgrade slime"
+        )
+    return manifest
+
+
+def read_manifest(uri: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """The manifest of a committed artifact; NotCommittedError when there is none."""
+    return parse_manifest(read_manifest_bytes(uri, storage_options), uri)
+
+
+def manifest_hash(uri: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Content hash of a committed artifact (sha256 of its manifest, which holds every file's sha256)."""
+    return hashlib.sha256(read_manifest_bytes(uri, storage_options)).hexdigest()
+
+
+def is_committed(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
+    fs, path = open_fs(manifest_uri(uri), storage_options)
+    return fs.exists(path)
+
+
+def commit_manifest(uri: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> str:
+    """Publish `manifest` at `uri` unless one is already there; returns the manifest's content hash.
+
+    On a local filesystem the publish is a hard link of a fully written temp file, which fails
+    atomically if the name exists. Object stores have no such primitive here: there the check and the
+    single-request upload leave a small race window between two writers of the *same* location
+    (distinct locations never interfere).
+    """
+    fs, path = open_fs(manifest_uri(uri), storage_options)
+    blob = manifest.to_json()
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    if is_local(fs):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise AlreadyCommittedError(f"{uri} was already committed by another writer") from None
+        finally:
+            os.unlink(tmp)
+    else:
+        if fs.exists(path):
+            raise AlreadyCommittedError(f"{uri} was already committed by another writer")
+        fs.pipe_file(path, blob)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def hash_bytes(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_file(uri: str, entry: FileEntry, data: bytes) -> None:
+    """Raise CorruptArtifactError when a file's bytes do not match its manifest entry."""
+    where = join_uri(uri, entry.path)
+    if len(data) != entry.bytes:
+        raise CorruptArtifactError(f"{where}: size {len(data)} bytes, manifest says {entry.bytes}")
+    digest = hash_bytes(data)
+    if digest != entry.sha256:
+        raise CorruptArtifactError(f"{where}: sha256 {digest[:16]}... does not match manifest {entry.sha256[:16]}...")
+
+
+def hash_file(fs: Any, path: str, chunk_bytes: int = 16 * 1024**2) -> tuple[int, str]:
+    """(size, sha256) of a file, streamed: checkpoint files can be larger than memory."""
+    digest = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def verify_files(uri: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Every problem with the files a manifest lists (missing, wrong size, wrong sha256); [] if intact."""
+    fs, root = open_fs(uri, storage_options)
+    problems = []
+    for entry in manifest.files:
+        where = join_uri(uri, entry.path)
+        try:
+            size, digest = hash_file(fs, join_uri(root, entry.path))
+        except FileNotFoundError:
+            problems.append(f"{where}: missing")
+            continue
+        if size != entry.bytes:
+            problems.append(f"{where}: size {size} bytes, manifest says {entry.bytes}")
+        elif digest != entry.sha256:
+            problems.append(f"{where}: sha256 {digest[:16]}... does not match manifest {entry.sha256[:16]}...")
+    return problems
+
+
+def commit_directory(
+    uri: str,
+    kind: str,
+    *,
+    config_hash: str | None = None,
+    producer: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Manifest:
+    """Commit a directory whose files are already in place (checkpoint, HF export): hash every file
+    under it and publish the manifest. Returns the committed manifest."""
+    fs, root = open_fs(uri, storage_options)
+    entries = []
+    for path in sorted(fs.find(root)):
+        rel = path[len(root.rstrip("/")) + 1 :]
+        if rel == MANIFEST_NAME or rel.startswith(f"{MANIFEST_NAME}.tmp-"):
+            continue
+        size, digest = hash_file(fs, path)
+        entries.append(FileEntry(path=rel, bytes=size, sha256=digest))
+    manifest = Manifest(
+        kind=kind, config_hash=config_hash, producer=producer or producer_info(), files=entries, metadata=metadata or {}
+    )
+    commit_manifest(uri, manifest, storage_options)
+    return manifest

@@ -1,0 +1,263 @@
+"""Shard sets: samples written as Arrow part files, visible only through a committed manifest.
+
+A `ShardSetWriter` names its part files after a private writer id, so two writers never touch the
+same file; it serialises each part in memory, hashes it and uploads it in one call (per-write
+round trips through an fsspec file object are slow on object stores and for Parquet), and commits
+the manifest last. If the `with` block raises, its files are deleted and nothing is published.
+A `ShardSet` reads only the files the manifest lists and checks size, sha256, row count and schema
+version of each before handing out a row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from slime.errors import CorruptArtifactError, NotCommittedError, StorageError
+from slime.storage.fs import join_uri, open_fs
+from slime.storage.manifest import (
+    FileEntry,
+    Manifest,
+    check_file,
+    commit_manifest,
+    hash_bytes,
+    is_committed,
+    producer_info,
+    read_manifest,
+    verify_files,
+)
+from slime.storage.schema import (
+    SAMPLE_SCHEMA,
+    SCHEMA_VERSION,
+    check_schema,
+    samples_to_batch,
+    table_to_samples,
+)
+from slime.types import Sample
+
+logger = logging.getLogger(__name__)
+
+ShardFormat = Literal["arrow", "parquet"]
+SHARD_SET_KIND = "shard_set"
+_SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
+
+
+class ShardSetWriter:
+    """Write samples to a new shard set at `uri`; `commit()` (or leaving the `with` block) publishes it.
+
+    Args:
+        uri: directory of the shard set (any fsspec URL); must not be committed already.
+        format: "arrow" (IPC file, fastest) or "parquet" (smaller, zstd by default).
+        compression: Arrow IPC "zstd"/"lz4" or None; Parquet codec name.
+        config_hash: hash of the config that produced the data, recorded in the manifest.
+        target_file_bytes: a part file is cut once its buffered batches reach this size.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        format: ShardFormat = "arrow",
+        compression: str | None = None,
+        config_hash: str | None = None,
+        producer: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        target_file_bytes: int = 128 * 1024**2,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if format not in _SUFFIX:
+            raise ValueError(f"shard format must be one of {list(_SUFFIX)}, got {format!r}")
+        self.uri = uri
+        self.format = format
+        self.compression = compression if compression is not None or format == "arrow" else "zstd"
+        self.config_hash = config_hash
+        self.producer = producer_info(**(producer or {}))
+        self.metadata = dict(metadata or {})
+        self.target_file_bytes = target_file_bytes
+        self.storage_options = storage_options
+        self.writer_id = uuid.uuid4().hex[:12]
+        self._fs, self._root = open_fs(uri, storage_options)
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_bytes = 0
+        self._files: list[FileEntry] = []
+        self._state: Literal["open", "committed", "aborted"] = "open"
+        if is_committed(uri, storage_options):
+            raise StorageError(f"{uri} is already a committed shard set; write to a new location")
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, samples: Iterable[Sample]) -> None:
+        """Buffer samples; a part file is written whenever the buffer reaches `target_file_bytes`."""
+        samples = list(samples)
+        if samples:
+            self.write_batch(samples_to_batch(samples))
+
+    def write_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
+        """Buffer rows already in `SAMPLE_SCHEMA` form (for producers that build columns directly)."""
+        self._require_open()
+        check_schema(batch.schema, f"batch written to {self.uri}")
+        batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
+        for b in batches:
+            # slices of about target_file_bytes, so one large write still yields bounded part files
+            step = max(1, int(self.target_file_bytes * b.num_rows / max(b.nbytes, 1)))
+            for offset in range(0, b.num_rows, step):
+                piece = b.slice(offset, step)
+                self._pending.append(piece)
+                self._pending_bytes += piece.nbytes
+                if self._pending_bytes >= self.target_file_bytes:
+                    self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        table = pa.Table.from_batches(self._pending, schema=SAMPLE_SCHEMA)
+        sink = pa.BufferOutputStream()
+        if self.format == "arrow":
+            options = ipc.IpcWriteOptions(compression=self.compression)
+            with ipc.new_file(sink, SAMPLE_SCHEMA, options=options) as writer:
+                writer.write_table(table)
+        else:
+            pq.write_table(table, sink, compression=self.compression)
+        data = sink.getvalue()
+        name = f"part-{self.writer_id}-{len(self._files):05d}{_SUFFIX[self.format]}"
+        digest = hash_bytes(memoryview(data))
+        self._fs.makedirs(self._root, exist_ok=True)
+        self._files.append(FileEntry(path=name, bytes=data.size, sha256=digest, rows=table.num_rows))
+        self._fs.pipe_file(join_uri(self._root, name), data.to_pybytes())
+        self._pending, self._pending_bytes = [], 0
+
+    # ------------------------------------------------------------------ publishing
+
+    def commit(self, metadata: dict[str, Any] | None = None) -> Manifest:
+        """Write what is buffered and publish the manifest; afterwards the set is readable."""
+        self._require_open()
+        try:
+            self._flush()
+            manifest = Manifest(
+                kind=SHARD_SET_KIND,
+                producer=self.producer,
+                config_hash=self.config_hash,
+                files=self._files,
+                num_rows=sum(f.rows or 0 for f in self._files),
+                schema_version=SCHEMA_VERSION,
+                format=self.format,
+                metadata={**self.metadata, **(metadata or {})},
+            )
+            commit_manifest(self.uri, manifest, self.storage_options)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+        logger.info("committed shard set %s: %d rows in %d files", self.uri, manifest.num_rows, len(self._files))
+        return manifest
+
+    def abort(self) -> None:
+        """Delete this writer's part files; nothing becomes visible."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._pending = []
+        for entry in self._files:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm_file(join_uri(self._root, entry.path))
+        logger.warning("aborted shard set writer %s for %s (%d files removed)", self.writer_id, self.uri,
+                       len(self._files))
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise StorageError(f"shard set writer for {self.uri} is {self._state}")
+
+    def __enter__(self) -> ShardSetWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.commit()
+
+
+class ShardSet:
+    """A committed shard set. Every read checks each file against the manifest first."""
+
+    def __init__(self, uri: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> None:
+        self.uri = uri
+        self.manifest = manifest
+        self.storage_options = storage_options
+        self._fs, self._root = open_fs(uri, storage_options)
+
+    @classmethod
+    def open(cls, uri: str, storage_options: dict[str, Any] | None = None) -> ShardSet:
+        manifest = read_manifest(uri, storage_options)
+        if manifest.kind != SHARD_SET_KIND:
+            raise NotCommittedError(f"{uri} is a committed {manifest.kind!r}, not a shard set")
+        return cls(uri, manifest, storage_options)
+
+    def __len__(self) -> int:
+        return self.manifest.num_rows or 0
+
+    def iter_tables(self) -> Iterator[pa.Table]:
+        """One verified table per part file, in manifest order."""
+        for entry in self.manifest.files:
+            where = join_uri(self.uri, entry.path)
+            try:
+                data = self._fs.cat_file(join_uri(self._root, entry.path))
+            except FileNotFoundError:
+                raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
+            check_file(self.uri, entry, data)
+            buffer = pa.py_buffer(data)
+            try:
+                if self.manifest.format == "parquet":
+                    table = pq.read_table(pa.BufferReader(buffer))
+                else:
+                    table = ipc.open_file(buffer).read_all()
+            except pa.ArrowInvalid as exc:
+                raise CorruptArtifactError(f"{where}: not a readable {self.manifest.format} file: {exc}") from None
+            check_schema(table.schema, where)
+            if entry.rows is not None and table.num_rows != entry.rows:
+                raise CorruptArtifactError(f"{where}: {table.num_rows} rows, manifest says {entry.rows}")
+            yield table
+
+    def read_table(self) -> pa.Table:
+        tables = list(self.iter_tables())
+        return pa.concat_tables(tables) if tables else SAMPLE_SCHEMA.empty_table()
+
+    def iter_samples(self) -> Iterator[Sample]:
+        for table in self.iter_tables():
+            yield from table_to_samples(table)
+
+    def read_samples(self) -> list[Sample]:
+        return list(self.iter_samples())
+
+    def verify(self) -> list[str]:
+        """Problems with the listed files ([] when intact), without parsing them."""
+        return verify_files(self.uri, self.manifest, self.storage_options)
+
+    def unreferenced_files(self) -> list[str]:
+        """Files in the set's directory that the manifest does not list (left by failed writers)."""
+        listed = {e.path for e in self.manifest.files} | {"manifest.json"}
+        names = [p.rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
+        return sorted(n for n in names if n not in listed)
+
+
+def write_samples(uri: str, samples: Iterable[Sample], **kwargs: Any) -> Manifest:
+    """Write `samples` as a new committed shard set at `uri` in one call."""
+    writer = ShardSetWriter(uri, **kwargs)
+    try:
+        writer.write(samples)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.commit()
+
+
+def read_samples(uri: str, storage_options: dict[str, Any] | None = None) -> list[Sample]:
+    """All samples of the committed shard set at `uri`."""
+    return ShardSet.open(uri, storage_options).read_samples()

@@ -1,0 +1,162 @@
+import textwrap
+
+import pytest
+
+from slime.config import FIELD_SECTION, Config, load_config, parse_overrides
+from slime.errors import ConfigError
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_slime_flag_names_map_to_sections():
+    expected = {
+        "rollout_batch_size": "rollout", "n_samples_per_prompt": "rollout", "global_batch_size": "train",
+        "num_rollout": "rollout", "advantage_estimator": "algorithm", "kl_loss_coef": "algorithm",
+        "eps_clip": "algorithm", "eps_clip_high": "algorithm", "prompt_data": "data", "input_key": "data",
+        "label_key": "data", "apply_chat_template": "data", "rollout_max_response_len": "rollout",
+        "save_interval": "checkpoint", "eval_interval": "eval", "colocate": "cluster", "store": "run",
+        "run_id": "run",
+    }
+    assert {k: FIELD_SECTION[k] for k in expected} == expected
+
+
+def test_yaml_then_cli_overrides(tmp_path):
+    path = _yaml(tmp_path, """
+        rollout:
+          rollout_batch_size: 8
+          n_samples_per_prompt: 4
+        train:
+          global_batch_size: 16
+        """)
+    cfg = load_config(path, [
+        "--n-samples-per-prompt", "2", "--lr=3e-5", "--colocate", "--rollout-stop", "<|im_end|>", "\n\n",
+        "--eval-prompt-data", "gsm8k", "/d/gsm.jsonl", "aime", "/d/aime.jsonl",
+        "--apply-chat-template-kwargs", '{"enable_thinking": false}', "--rollout-top-k", "-1",
+        "--store", "s3://bucket/runs", "--run-id", "exp1",
+    ])
+    assert cfg.rollout.rollout_batch_size == 8
+    assert cfg.rollout.n_samples_per_prompt == 2
+    assert cfg.train.lr == 3e-5
+    assert cfg.cluster.colocate is True
+    assert cfg.rollout.rollout_stop == ["<|im_end|>", "\n\n"]
+    assert cfg.eval.eval_prompt_data == {"gsm8k": "/d/gsm.jsonl", "aime": "/d/aime.jsonl"}
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.rollout.rollout_top_k == -1
+    assert (cfg.run.store, cfg.run.run_id) == ("s3://bucket/runs", "exp1")
+
+
+def test_pass_through_sections():
+    cfg = load_config(None, [
+        "--sglang-mem-fraction-static", "0.7", "--sglang-enable-memory-saver", "--sglang-chunked-prefill-size", "4096",
+        "--router-policy", "cache_aware", "--tensor-model-parallel-size", "2", "--lr-decay-style", "cosine",
+    ])
+    assert cfg.sglang == {"mem_fraction_static": 0.7, "enable_memory_saver": True, "chunked_prefill_size": 4096}
+    assert cfg.router == {"policy": "cache_aware"}
+    assert cfg.megatron == {"tensor_model_parallel_size": 2, "lr_decay_style": "cosine"}
+    # slime's own sglang_* field is a typed field, not a pass-through
+    assert load_config(None, ["--sglang-server-concurrency", "64"]).rollout.sglang_server_concurrency == 64
+
+
+def test_namespace_has_slime_attribute_names():
+    cfg = load_config(None, ["--rollout-batch-size", "4", "--sglang-router-port", "3000", "--sglang-tp-size", "2",
+                             "--num-layers", "2"])
+    args = cfg.as_namespace()
+    assert args.rollout_batch_size == 4
+    assert args.sglang_router_port == 3000 and args.sglang_router_ip == "127.0.0.1"
+    assert args.sglang_tp_size == 2
+    assert args.num_layers == 2
+    assert args.advantage_estimator == "grpo"
+
+
+def test_type_error_names_file_line_and_field(tmp_path):
+    path = _yaml(tmp_path, """
+        rollout:
+          n_samples_per_prompt: 4
+          rollout_batch_size: many
+        """)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}:4: rollout.rollout_batch_size" in str(err.value)
+    assert "'many'" in str(err.value)
+
+
+def test_cli_type_error_names_flag():
+    with pytest.raises(ConfigError, match="--rollout-temperature: rollout.rollout_temperature: Input should be greater"):
+        load_config(None, ["--rollout-temperature", "0"])
+
+
+def test_unknown_and_misplaced_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.rollout_batch_szie'; did you mean "
+                                          r"'rollout_batch_size'"):
+        load_config(_yaml(tmp_path, "rollout:\n  rollout_batch_szie: 3\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.lr'; it belongs under 'train:'"):
+        load_config(_yaml(tmp_path, "rollout:\n  lr: 0.1\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml:1: unknown section 'rollout_batch_size'; it belongs under 'rollout:'"):
+        load_config(_yaml(tmp_path, "rollout_batch_size: 3\n"))
+    with pytest.raises(ConfigError, match="unknown section 'rolout'; did you mean 'rollout'"):
+        load_config(_yaml(tmp_path, "rolout: {}\n"))
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(_yaml(tmp_path, "rollout: [\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_unknown_megatron_flag_suggests_closest():
+    with pytest.raises(ConfigError, match="unknown option --tensor-model-paralel-size; did you mean "
+                                          "'tensor-model-parallel-size'"):
+        load_config(None, ["--tensor-model-paralel-size", "2"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--rollout-batch-size", "5", "--n-samples-per-prompt", "4", "--global-batch-size", "8"],
+         "5 \\* 4 = 20 must be a multiple of global_batch_size \\(8\\)"),
+        (["--kl-coef", "0.1", "--use-kl-loss", "--kl-loss-coef", "0.01"], "are exclusive"),
+        (["--kl-loss-coef", "0.01"], "use_kl_loss is false"),
+        (["--eps-clip-c", "0.5"], "must be > 1"),
+        (["--advantage-estimator", "reinforce_plus_plus"], "needs normalize_advantages"),
+        (["--use-dynamic-batch-size"], "needs max_tokens_per_gpu"),
+        (["--save-interval", "2"], "save \\(the checkpoint directory\\) is not"),
+        (["--global-batch-size", "8", "--num-steps-per-rollout", "2"], "not both"),
+        (["--rollout-batch-size", "8", "--over-sampling-batch-size", "4"], "smaller than rollout_batch_size"),
+        (["--use-tis", "--tis-clip-low", "3"], "must be below tis_clip"),
+        (["--advantage-estimator", "grpoo"], "Input should be 'grpo'"),
+        (["--colocate", "maybe"], "expected no value or true/false"),
+        (["--rollout-batch-size"], "missing value"),
+        (["rollout_batch_size", "3"], "unexpected argument"),
+    ],
+)
+def test_cross_field_and_flag_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_section_hash_is_stable_and_sensitive(tmp_path):
+    a = load_config(_yaml(tmp_path, "rollout:\n  rollout_batch_size: 8\n  n_samples_per_prompt: 2\n"))
+    b = load_config(None, ["--n-samples-per-prompt", "2", "--rollout-batch-size", "8"])
+    assert a.section_hash("rollout") == b.section_hash("rollout")
+    assert a.section_hash() == b.section_hash()
+    c = load_config(None, ["--n-samples-per-prompt", "2", "--rollout-batch-size", "9"])
+    assert c.section_hash("rollout") != a.section_hash("rollout")
+    assert c.section_hash("train") == a.section_hash("train")
+    assert len(a.section_hash("rollout")) == 64
+    with pytest.raises(ConfigError, match="unknown config section"):
+        a.section_hash("rollouts")
+
+
+def test_require_lists_every_missing_field():
+    with pytest.raises(ConfigError, match=r"stage 'rl' needs: rollout.rollout_batch_size \(--rollout-batch-size\), "
+                                          r"data.prompt_data \(--prompt-data\)"):
+        Config().require("rollout.rollout_batch_size", "data.prompt_data", stage="rl")
+    Config(rollout={"rollout_batch_size": 2}).require("rollout.rollout_batch_size", stage="rl")
+
+
+def test_parse_overrides_records_origins():
+    nested, origin = parse_overrides(["--eps-clip=0.3", "--sglang-tp-size", "2"])
+    assert nested == {"algorithm": {"eps_clip": "0.3"}, "sglang": {"tp_size": 2}}
+    assert origin == {"algorithm.eps_clip": "--eps-clip", "sglang.tp_size": "--sglang-tp-size"}
