@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -25,12 +27,12 @@ from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import (
     FileEntry,
     Manifest,
-    check_file,
     commit_manifest,
     hash_bytes,
     is_committed,
     producer_info,
     read_manifest,
+    read_verified,
     verify_files,
 )
 from slime.storage.schema import (
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 ShardFormat = Literal["arrow", "parquet"]
 SHARD_SET_KIND = "shard_set"
 _SUFFIX = {"arrow": ".arrow", "parquet": ".parquet"}
+_CONVERT_ROWS = 4096  # samples converted to Arrow per step
+_READ_AHEAD = 2  # part files fetched and verified ahead of the reader
 
 
 class ShardSetWriter:
@@ -69,7 +73,7 @@ class ShardSetWriter:
         config_hash: str | None = None,
         producer: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
-        target_file_bytes: int = 128 * 1024**2,
+        target_file_bytes: int = 64 * 1024**2,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if format not in _SUFFIX:
@@ -87,6 +91,11 @@ class ShardSetWriter:
         self._pending: list[pa.RecordBatch] = []
         self._pending_bytes = 0
         self._files: list[FileEntry] = []
+        # Parts are serialised, hashed and uploaded on one helper thread (those steps release the
+        # GIL) while the caller converts the next samples; at most one part is in flight.
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._inflight: Future | None = None
+        self._parts = 0
         self._state: Literal["open", "committed", "aborted"] = "open"
         if is_committed(uri, storage_options):
             raise StorageError(f"{uri} is already a committed shard set; write to a new location")
@@ -96,8 +105,8 @@ class ShardSetWriter:
     def write(self, samples: Iterable[Sample]) -> None:
         """Buffer samples; a part file is written whenever the buffer reaches `target_file_bytes`."""
         samples = list(samples)
-        if samples:
-            self.write_batch(samples_to_batch(samples))
+        for start in range(0, len(samples), _CONVERT_ROWS):  # chunks, so conversion overlaps uploads
+            self.write_batch(samples_to_batch(samples[start : start + _CONVERT_ROWS]))
 
     def write_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
         """Buffer rows already in `SAMPLE_SCHEMA` form (for producers that build columns directly)."""
@@ -115,9 +124,22 @@ class ShardSetWriter:
                     self._flush()
 
     def _flush(self) -> None:
+        """Hand the buffered batches to the upload thread as the next part file."""
         if not self._pending:
             return
-        table = pa.Table.from_batches(self._pending, schema=SAMPLE_SCHEMA)
+        batches, self._pending, self._pending_bytes = self._pending, [], 0
+        name = f"part-{self.writer_id}-{self._parts:05d}{_SUFFIX[self.format]}"
+        self._parts += 1
+        self._wait_inflight()
+        self._inflight = self._uploader.submit(self._write_part, batches, name)
+
+    def _wait_inflight(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            inflight.result()  # re-raises an upload error in the caller's thread
+
+    def _write_part(self, batches: list[pa.RecordBatch], name: str) -> None:
+        table = pa.Table.from_batches(batches, schema=SAMPLE_SCHEMA)
         sink = pa.BufferOutputStream()
         if self.format == "arrow":
             options = ipc.IpcWriteOptions(compression=self.compression)
@@ -126,12 +148,11 @@ class ShardSetWriter:
         else:
             pq.write_table(table, sink, compression=self.compression)
         data = sink.getvalue()
-        name = f"part-{self.writer_id}-{len(self._files):05d}{_SUFFIX[self.format]}"
         digest = hash_bytes(memoryview(data))
         self._fs.makedirs(self._root, exist_ok=True)
+        # listed before the upload, so that abort() also removes a partially uploaded file
         self._files.append(FileEntry(path=name, bytes=data.size, sha256=digest, rows=table.num_rows))
         self._fs.pipe_file(join_uri(self._root, name), data.to_pybytes())
-        self._pending, self._pending_bytes = [], 0
 
     # ------------------------------------------------------------------ publishing
 
@@ -140,6 +161,7 @@ class ShardSetWriter:
         self._require_open()
         try:
             self._flush()
+            self._wait_inflight()
             manifest = Manifest(
                 kind=SHARD_SET_KIND,
                 producer=self.producer,
@@ -155,6 +177,7 @@ class ShardSetWriter:
             self.abort()
             raise
         self._state = "committed"
+        self._uploader.shutdown()
         logger.info("committed shard set %s: %d rows in %d files", self.uri, manifest.num_rows, len(self._files))
         return manifest
 
@@ -164,6 +187,9 @@ class ShardSetWriter:
             return
         self._state = "aborted"
         self._pending = []
+        with contextlib.suppress(BaseException):
+            self._wait_inflight()
+        self._uploader.shutdown()
         for entry in self._files:
             with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(join_uri(self._root, entry.path))
@@ -204,26 +230,37 @@ class ShardSet:
         return self.manifest.num_rows or 0
 
     def iter_tables(self) -> Iterator[pa.Table]:
-        """One verified table per part file, in manifest order."""
-        for entry in self.manifest.files:
-            where = join_uri(self.uri, entry.path)
-            try:
-                data = self._fs.cat_file(join_uri(self._root, entry.path))
-            except FileNotFoundError:
-                raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
-            check_file(self.uri, entry, data)
-            buffer = pa.py_buffer(data)
-            try:
-                if self.manifest.format == "parquet":
-                    table = pq.read_table(pa.BufferReader(buffer))
-                else:
-                    table = ipc.open_file(buffer).read_all()
-            except pa.ArrowInvalid as exc:
-                raise CorruptArtifactError(f"{where}: not a readable {self.manifest.format} file: {exc}") from None
-            check_schema(table.schema, where)
-            if entry.rows is not None and table.num_rows != entry.rows:
-                raise CorruptArtifactError(f"{where}: {table.num_rows} rows, manifest says {entry.rows}")
-            yield table
+        """One verified table per part file, in manifest order.
+
+        The next files are fetched and hashed on helper threads while the current one is consumed:
+        hashing is the bottleneck of a verified read, and separate files hash in parallel.
+        """
+        files = self.manifest.files
+        with ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="shard-reader") as pool:
+            fetches = deque(self._fetch(pool, entry) for entry in files[:_READ_AHEAD])
+            for i, entry in enumerate(files):
+                data = fetches.popleft().result()
+                if i + _READ_AHEAD < len(files):
+                    fetches.append(self._fetch(pool, files[i + _READ_AHEAD]))
+                yield self._parse(entry, data)
+
+    def _fetch(self, pool: ThreadPoolExecutor, entry: FileEntry) -> Future:
+        return pool.submit(read_verified, self._fs, join_uri(self._root, entry.path), entry, self.uri)
+
+    def _parse(self, entry: FileEntry, data: bytearray) -> pa.Table:
+        where = join_uri(self.uri, entry.path)
+        buffer = pa.py_buffer(data)
+        try:
+            if self.manifest.format == "parquet":
+                table = pq.read_table(pa.BufferReader(buffer))
+            else:
+                table = ipc.open_file(buffer).read_all()
+        except pa.ArrowInvalid as exc:
+            raise CorruptArtifactError(f"{where}: not a readable {self.manifest.format} file: {exc}") from None
+        check_schema(table.schema, where)
+        if entry.rows is not None and table.num_rows != entry.rows:
+            raise CorruptArtifactError(f"{where}: {table.num_rows} rows, manifest says {entry.rows}")
+        return table
 
     def read_table(self) -> pa.Table:
         tables = list(self.iter_tables())

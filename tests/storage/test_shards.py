@@ -6,7 +6,13 @@ import pyarrow as pa
 import pytest
 from conftest import make_samples
 
-from slime.errors import AlreadyCommittedError, CorruptArtifactError, NotCommittedError, SchemaVersionError, StorageError
+from slime.errors import (
+    AlreadyCommittedError,
+    CorruptArtifactError,
+    NotCommittedError,
+    SchemaVersionError,
+    StorageError,
+)
 from slime.storage import ShardSet, ShardSetWriter, read_samples, write_samples
 from slime.storage import manifest as manifest_mod
 from slime.storage.schema import SAMPLE_SCHEMA, samples_to_batch
@@ -183,3 +189,22 @@ def test_manifest_is_written_last_and_is_json(tmp_path, samples, monkeypatch):
     assert doc["kind"] == "shard_set" and doc["schema_version"] == 1
     assert sum(f["rows"] for f in doc["files"]) == doc["num_rows"] == len(samples)
     assert {"host", "pid", "slime_version"} <= set(doc["producer"])
+
+
+def test_upload_failure_in_background_surfaces_and_cleans_up(tmp_path, samples, monkeypatch):
+    uri = tmp_path / "set"
+    writer = ShardSetWriter(str(uri), target_file_bytes=1_000)
+    real_pipe = writer._fs.pipe_file
+    calls = []
+
+    def flaky_pipe(path, data, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError("connection reset")
+        return real_pipe(path, data, **kwargs)
+
+    monkeypatch.setattr(writer._fs, "pipe_file", flaky_pipe)
+    with pytest.raises(OSError, match="connection reset"), writer:
+        writer.write(samples)
+    assert len(calls) >= 3
+    assert list(uri.glob("*")) == []

@@ -1,0 +1,1 @@
+"""Data layer: prompt datasets, tokenizers and the data source that feeds rollout."""

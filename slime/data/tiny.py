@@ -1,0 +1,403 @@
+"""The tiny model kit: a byte-level tokenizer, a tiny random Qwen2 checkpoint and arithmetic data.
+
+Every test and `make run` need a model, a tokenizer and a task whose answers can be checked, and they
+must work on a CPU with no network. `make_tiny_kit` builds all of that locally and deterministically from
+a small YAML recipe (`datasets/tiny/recipe.yaml`): the same recipe always gives byte-identical files, so
+runs are reproducible and a kit can be cached. Layout of the output directory:
+
+    model/            HF checkpoint (config, safetensors, generation config) plus the tokenizer files
+    data/train.jsonl  RL prompts   {"prompt": "12+34=", "label": "46", "metadata": {...}}
+    data/eval.jsonl   held-out prompts, same format, disjoint from train and sft
+    data/sft.jsonl    chat SFT     {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}
+    kit.json          recipe, sha256 of every file, sizes; written last, so it marks a complete kit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+import slime
+from slime.errors import ConfigError, DataFormatError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+KIT_MANIFEST = "kit.json"
+KIT_FORMAT_VERSION = 1
+PAD_TOKEN, IM_START, IM_END, UNK_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
+SPLITS = ("train", "eval", "sft")
+
+# ChatML as Qwen2 writes it. `{% generation %}` marks what the assistant produced (content and its closing
+# <|im_end|>) so `return_assistant_tokens_mask=True` gives the SFT loss mask; the "\n" after it is template.
+CHAT_TEMPLATE = r"""{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nTo call a function, reply with <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\nAvailable functions:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not (tools and loop.first) %}{{- '<|im_start|>system\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- generation %}
+{{- message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{%- if (message.content or '') or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": ' + (fn.name | tojson) + ', "arguments": ' }}
+{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>' }}
+{%- endgeneration %}
+{{- '\n' }}
+{%- elif message.role in ['user', 'tool'] %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- else %}
+{{- raise_exception('unsupported chat role: ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Digits = Annotated[int, Field(ge=1, le=15)]
+
+
+class ModelRecipe(_Strict):
+    """Shape of the random Qwen2 checkpoint."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(4, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+    vocab_multiple: int = Field(128, gt=0)  # Megatron pads the vocab to a multiple of 128
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelRecipe:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class DataRecipe(_Strict):
+    """Synthetic integer arithmetic: operand digit tiers and split sizes."""
+
+    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    train_digits: list[Digits] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
+    eval_digits: list[Digits] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
+    allow_negative: bool = False
+    num_train: int = Field(2000, ge=0)
+    num_eval: int = Field(200, ge=0)
+    num_sft: int = Field(2000, ge=0)
+
+
+class TinyKitRecipe(_Strict):
+    """Everything that determines a tiny kit; its JSON dump is stored in kit.json."""
+
+    seed: int = 1234
+    model: ModelRecipe = Field(default_factory=ModelRecipe)
+    data: DataRecipe = Field(default_factory=DataRecipe)
+
+
+@dataclass(frozen=True)
+class TinyKit:
+    """Paths of a complete kit."""
+
+    root: Path
+    model_dir: Path
+    train: Path
+    eval: Path
+    sft: Path
+    manifest: Path
+
+    @classmethod
+    def at(cls, root: Path) -> TinyKit:
+        data = root / "data"
+        return cls(
+            root,
+            root / "model",
+            data / "train.jsonl",
+            data / "eval.jsonl",
+            data / "sft.jsonl",
+            root / KIT_MANIFEST,
+        )
+
+
+def default_recipe_path() -> Path:
+    return Path(slime.__file__).resolve().parents[1] / "datasets" / "tiny" / "recipe.yaml"
+
+
+def load_recipe(path: str | Path | None = None) -> TinyKitRecipe:
+    """Read and validate a recipe YAML (default: datasets/tiny/recipe.yaml of the project)."""
+    path = Path(path) if path is not None else default_recipe_path()
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read tiny-kit recipe ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: tiny-kit recipe is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: tiny-kit recipe must be a YAML mapping, got {type(raw).__name__}")
+    try:
+        return TinyKitRecipe.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '<root>'}': {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: invalid tiny-kit recipe: {problems}") from None
+
+
+def _byte_symbols() -> list[str]:
+    """The byte-level BPE alphabet (GPT-2/Qwen2): the printable character that stands for each byte 0..255."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    symbols, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            symbols.append(chr(b))
+        else:  # control bytes, space and a few others are moved above 255 so every symbol is visible
+            symbols.append(chr(256 + shifted))
+            shifted += 1
+    return symbols
+
+
+def build_tokenizer(recipe: TinyKitRecipe | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer without merges, Qwen2 special tokens and a ChatML template (built in memory).
+
+    transformers 5 always loads a qwen2 checkpoint's tokenizer as `Qwen2Tokenizer`, which rebuilds the
+    pipeline (NFC, Qwen2 split regex, byte-level) around the saved vocab. Building that same class here
+    makes the in-memory tokenizer and every reloaded copy (tests, SGLang, training) tokenize alike. With
+    no merges each byte is one token: every ASCII character (printable, "\n") is one token and any other
+    character is one token per UTF-8 byte, so no input is unknown; <|unk|> exists but is never produced.
+    """
+    from transformers import Qwen2Tokenizer
+
+    recipe = recipe or TinyKitRecipe()
+    # Ids 0..255 are the bytes; the special tokens follow, as in Qwen2 (vocab order is fixed).
+    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+    vocab.update({tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)})
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        bos_token=None,  # Qwen2 adds no BOS
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        extra_special_tokens=[IM_START],
+        model_max_length=recipe.model.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def padded_vocab_size(tokenizer_len: int, multiple: int) -> int:
+    return -(-tokenizer_len // multiple) * multiple
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def _draw(rng: random.Random, digits: int, data: DataRecipe) -> dict[str, Any]:
+    """Both operands have exactly `digits` digits (the 1-digit tier includes 0), so a tier is a difficulty."""
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(data.ops)
+    if op == "-" and not data.allow_negative and a < b:
+        a, b = b, a
+    answer = a + b if op == "+" else a - b
+    meta = {"a": a, "b": b, "op": op, "digits": digits}
+    return {"prompt": f"{a}{op}{b}=", "label": str(answer), "metadata": meta}
+
+
+def _draw_split(
+    rng: random.Random, n: int, tiers: list[int], data: DataRecipe, exclude: set[str] | None
+) -> list:
+    """`exclude=None`: eval, distinct questions cycling through the tiers; else random tiers, `exclude` avoided."""
+    out: list[dict[str, Any]] = []
+    seen, attempts = set(exclude or ()), 0
+    while len(out) < n:
+        if (attempts := attempts + 1) > 100 * n + 1000:  # small tiers hold few distinct questions
+            raise ConfigError(
+                f"tiny-kit recipe: cannot draw {n} problems avoiding repeats from digit tiers {tiers}"
+            )
+        rec = _draw(rng, tiers[len(out) % len(tiers)] if exclude is None else rng.choice(tiers), data)
+        if rec["prompt"] not in seen:
+            out.append(rec)
+            if exclude is None:
+                seen.add(rec["prompt"])
+    return out
+
+
+def make_datasets(recipe: TinyKitRecipe) -> dict[str, list[dict[str, Any]]]:
+    """Eval first (distinct questions), then train and sft with every eval question rejected."""
+    d = recipe.data
+    # One RNG per split so changing one split's size does not reshuffle the others.
+    rng = {s: random.Random(f"{recipe.seed}:{s}") for s in SPLITS}
+    eval_rows = _draw_split(rng["eval"], d.num_eval, d.eval_digits, d, None)
+    held_out = {r["prompt"] for r in eval_rows}
+    train = _draw_split(rng["train"], d.num_train, d.train_digits, d, held_out)
+    sft = [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["label"]}]}
+        for r in _draw_split(rng["sft"], d.num_sft, d.train_digits, d, held_out)
+    ]
+    return {"train": train, "eval": eval_rows, "sft": sft}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+# --- model ------------------------------------------------------------------------------------------
+
+
+def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTokenizerFast) -> int:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    m = recipe.model
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}  # Qwen2 uses <|endoftext|> as bos
+    config = Qwen2Config(
+        vocab_size=padded_vocab_size(len(tokenizer), m.vocab_multiple),
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.rms_norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        use_sliding_window=False,
+        dtype="float32",
+        **ids,
+    )
+    old_dtype = torch.get_default_dtype()
+    # Seed the init without disturbing the caller's RNG state or default dtype.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)
+        torch.set_default_dtype(torch.float32)
+        try:
+            model = Qwen2ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(old_dtype)
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- kit --------------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # the largest file is a few MB
+
+
+def _existing_kit(root: Path, recipe: TinyKitRecipe) -> TinyKit | None:
+    """The kit already in `root` if it was built from `recipe`; None if `root` is absent or empty."""
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        return None
+    manifest_path = root / KIT_MANIFEST
+    if not manifest_path.is_file():
+        raise ConfigError(
+            f"{root} exists but holds no complete tiny kit; pick another directory or delete it"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataFormatError(f"{manifest_path}: unreadable kit manifest ({exc}); delete {root}") from None
+    want = {"format_version": KIT_FORMAT_VERSION, "recipe": recipe.model_dump(mode="json")}
+    if {k: manifest.get(k) for k in want} != want:
+        raise ConfigError(f"{root} holds a tiny kit of another recipe; pick another directory or delete it")
+    for rel, digest in manifest["files"].items():
+        if not (root / rel).is_file() or _sha256(root / rel) != digest:
+            raise DataFormatError(f"{root / rel}: missing or changed since the kit was built; delete {root}")
+    return TinyKit.at(root)
+
+
+def _build(tmp: Path, recipe: TinyKitRecipe) -> dict[str, Any]:
+    tokenizer = build_tokenizer(recipe)
+    kit = TinyKit.at(tmp)
+    param_count = _save_model(kit.model_dir, recipe, tokenizer)
+    kit.train.parent.mkdir()
+    rows = make_datasets(recipe)
+    for split in SPLITS:
+        _write_jsonl(getattr(kit, split), rows[split])
+    for p in tmp.rglob("*"):  # safetensors writes 0600 files; the kit is meant to be shared
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    manifest = {
+        "format_version": KIT_FORMAT_VERSION,
+        "recipe": recipe.model_dump(mode="json"),
+        "tokenizer_vocab_size": len(tokenizer),
+        "model_vocab_size": padded_vocab_size(len(tokenizer), recipe.model.vocab_multiple),
+        "param_count": param_count,
+        "model_dir": kit.model_dir.relative_to(tmp).as_posix(),
+        "data": {split: getattr(kit, split).relative_to(tmp).as_posix() for split in SPLITS},
+        "files": files,
+    }
+    # Written last: its presence is what marks the kit complete.
+    (tmp / KIT_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return manifest
+
+
+def make_tiny_kit(out_dir: str | Path, recipe: TinyKitRecipe | None = None) -> TinyKit:
+    """Build the kit into `out_dir` (no network, deterministic); return at once if it is already there."""
+    recipe = recipe or load_recipe()
+    root = Path(out_dir).absolute()
+    if (kit := _existing_kit(root, recipe)) is not None:
+        logger.info("tiny kit already present at %s", root)
+        return kit
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a hidden sibling and rename it into place, so a crash never leaves a half kit at `root`.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        manifest = _build(tmp, recipe)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        with contextlib.suppress(OSError):
+            root.rmdir()  # only succeeds on the empty directory _existing_kit accepted
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            # Another process published first; accept its kit if it has our recipe.
+            if (kit := _existing_kit(root, recipe)) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return kit
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("built tiny kit at %s (%d params)", root, manifest["param_count"])
+    return TinyKit.at(root)
