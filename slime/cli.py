@@ -31,6 +31,14 @@ def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _config_reference(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Print the Markdown reference of every config field."""
+    from slime.config import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
 def _shards_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print a shard set's manifest summary, schema, row count and checksum status."""
     from slime.storage import ShardSet
@@ -45,13 +53,11 @@ def _shards_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"config hash   {m.config_hash}")
     if m.metadata:
         print(f"metadata      {json.dumps(m.metadata, sort_keys=True)}")
-    tables = shard_set.iter_tables()
-    first = next(tables, None)
-    if first is not None:
-        print("schema:")
-        for field in first.schema:
-            print(f"  {field.name}: {field.type}")
     problems = shard_set.verify()
+    if not problems and m.files:
+        print("schema:")
+        for field in next(shard_set.iter_tables()).schema:
+            print(f"  {field.name}: {field.type}")
     leftovers = shard_set.unreferenced_files()
     if leftovers:
         print(f"unreferenced  {len(leftovers)} files not in the manifest (from failed writers): {leftovers}")
@@ -87,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Extra --flag value arguments override the file, with slime's flag names.")
     show.add_argument("--config", help="YAML config file")
     show.set_defaults(handler=_config_show, takes_overrides=True)
+    config.add_parser("reference", help="print the Markdown reference of every field").set_defaults(
+        handler=_config_reference)
 
     shards = commands.add_parser("shards", help="artifact store shard sets").add_subparsers(dest="sub", required=True)
     inspect = shards.add_parser("inspect", help="manifest, schema, row count and checksum status of a shard set")

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,13 +29,19 @@ MANIFEST_VERSION = 1
 
 
 class FileEntry(BaseModel):
-    """One file of an artifact, relative to the artifact's directory."""
+    """One file of an artifact, relative to the artifact's directory.
+
+    `sha256` identifies the content (audits, cache keys); `crc32` is what every read checks: it
+    catches any flipped byte or burst up to 32 bits with certainty and runs ~10x faster than sha256
+    on CPUs without SHA instructions, so verification costs reads almost nothing.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     path: str
     bytes: int
     sha256: str
+    crc32: int | None = None
     rows: int | None = None
 
 
@@ -136,65 +143,81 @@ def commit_manifest(uri: str, manifest: Manifest, storage_options: dict[str, Any
     return hashlib.sha256(blob).hexdigest()
 
 
-def read_verified(fs: Any, path: str, entry: FileEntry, uri: str, chunk_bytes: int = 8 * 1024**2) -> bytearray:
-    """Read a listed file and check it against its manifest entry.
+class _Crc32:
+    """zlib.crc32 behind hashlib's `update` interface (it releases the GIL on large buffers too)."""
 
-    Hashing (sha256 runs at a few hundred MB/s without CPU SHA extensions) overlaps the reading of the
-    next chunk on a helper thread; both release the GIL, so verification adds little to the read.
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+
+def read_verified(fs: Any, path: str, entry: FileEntry, uri: str, chunk_bytes: int = 8 * 1024**2) -> bytearray:
+    """Read a listed file and check its size and checksum (crc32, or sha256 for entries without one).
+
+    The checksum of each chunk is computed on a helper thread while the next chunk is read.
     """
     where = join_uri(uri, entry.path)
+    checker = _Crc32() if entry.crc32 is not None else hashlib.sha256()
     buf = bytearray(entry.bytes)
     view = memoryview(buf)
-    digest = hashlib.sha256()
     pos = 0
     try:
         with fs.open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
-            hashing = None
+            pending = None
             while pos < entry.bytes:
                 got = f.readinto(view[pos : pos + min(chunk_bytes, entry.bytes - pos)])
                 if not got:
                     break
-                if hashing is not None:
-                    hashing.result()
-                hashing = pool.submit(digest.update, view[pos : pos + got])
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(checker.update, view[pos : pos + got])
                 pos += got
-            if hashing is not None:
-                hashing.result()
+            if pending is not None:
+                pending.result()
             extra = len(f.read(1))
     except FileNotFoundError:
         raise CorruptArtifactError(f"{where}: listed in the manifest but missing") from None
     if pos != entry.bytes or extra:
         raise CorruptArtifactError(f"{where}: size differs from the manifest's {entry.bytes} bytes")
-    if digest.hexdigest() != entry.sha256:
+    if isinstance(checker, _Crc32):
+        if checker.value != entry.crc32:
+            raise CorruptArtifactError(f"{where}: crc32 {checker.value:08x} does not match manifest {entry.crc32:08x}")
+    elif checker.hexdigest() != entry.sha256:
         raise CorruptArtifactError(
-            f"{where}: sha256 {digest.hexdigest()[:16]}... does not match manifest {entry.sha256[:16]}..."
+            f"{where}: sha256 {checker.hexdigest()[:16]}... does not match manifest {entry.sha256[:16]}..."
         )
     return buf
 
 
-def hash_bytes(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def file_entry(path: str, data: bytes | memoryview, rows: int | None = None) -> FileEntry:
+    """The manifest entry (size, sha256, crc32) of an in-memory file."""
+    return FileEntry(path=path, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), crc32=zlib.crc32(data),
+                     rows=rows)
 
 
-def hash_file(fs: Any, path: str, chunk_bytes: int = 16 * 1024**2) -> tuple[int, str]:
-    """(size, sha256) of a file, streamed: checkpoint files can be larger than memory."""
-    digest = hashlib.sha256()
+def hash_file(fs: Any, path: str, chunk_bytes: int = 16 * 1024**2) -> tuple[int, str, int]:
+    """(size, sha256, crc32) of a file, streamed: checkpoint files can be larger than memory."""
+    digest, crc = hashlib.sha256(), _Crc32()
     size = 0
     with fs.open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
+            crc.update(chunk)
             size += len(chunk)
-    return size, digest.hexdigest()
+    return size, digest.hexdigest(), crc.value
 
 
 def verify_files(uri: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Every problem with the files a manifest lists (missing, wrong size, wrong sha256); [] if intact."""
+    """Full audit: every problem with the files a manifest lists (missing, wrong size, wrong sha256);
+    [] if intact. Slower than a read's crc32 check, and independent of it."""
     fs, root = open_fs(uri, storage_options)
     problems = []
     for entry in manifest.files:
         where = join_uri(uri, entry.path)
         try:
-            size, digest = hash_file(fs, join_uri(root, entry.path))
+            size, digest, _ = hash_file(fs, join_uri(root, entry.path))
         except FileNotFoundError:
             problems.append(f"{where}: missing")
             continue
@@ -222,8 +245,8 @@ def commit_directory(
         rel = path[len(root.rstrip("/")) + 1 :]
         if rel == MANIFEST_NAME or rel.startswith(f"{MANIFEST_NAME}.tmp-"):
             continue
-        size, digest = hash_file(fs, path)
-        entries.append(FileEntry(path=rel, bytes=size, sha256=digest))
+        size, digest, crc = hash_file(fs, path)
+        entries.append(FileEntry(path=rel, bytes=size, sha256=digest, crc32=crc))
     manifest = Manifest(
         kind=kind, config_hash=config_hash, producer=producer or producer_info(), files=entries, metadata=metadata or {}
     )

@@ -28,7 +28,7 @@ from slime.storage.manifest import (
     FileEntry,
     Manifest,
     commit_manifest,
-    hash_bytes,
+    file_entry,
     is_committed,
     producer_info,
     read_manifest,
@@ -148,10 +148,9 @@ class ShardSetWriter:
         else:
             pq.write_table(table, sink, compression=self.compression)
         data = sink.getvalue()
-        digest = hash_bytes(memoryview(data))
         self._fs.makedirs(self._root, exist_ok=True)
         # listed before the upload, so that abort() also removes a partially uploaded file
-        self._files.append(FileEntry(path=name, bytes=data.size, sha256=digest, rows=table.num_rows))
+        self._files.append(file_entry(name, memoryview(data), rows=table.num_rows))
         self._fs.pipe_file(join_uri(self._root, name), data.to_pybytes())
 
     # ------------------------------------------------------------------ publishing

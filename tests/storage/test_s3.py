@@ -43,5 +43,7 @@ def test_round_trip_commit_and_corruption_on_s3(s3_options):
     data = bytearray(fs.cat_file(part))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(part, bytes(data))
-    with pytest.raises(CorruptArtifactError, match="sha256"):
+    with pytest.raises(CorruptArtifactError, match="crc32"):
         ShardSet.open(uri, s3_options).read_samples()
+    problems = ShardSet.open(uri, s3_options).verify()
+    assert len(problems) == 1 and "sha256" in problems[0]

@@ -98,10 +98,24 @@ def test_flipped_byte_is_detected(tmp_path, samples, fmt):
     victim = sorted(uri.glob("part-*"))[1]
     _flip_byte(victim, victim.stat().st_size // 2)
     shard_set = ShardSet.open(str(uri))
-    with pytest.raises(CorruptArtifactError, match=f"{victim.name}: sha256 .* does not match manifest"):
+    with pytest.raises(CorruptArtifactError, match=f"{victim.name}: crc32 [0-9a-f]{{8}} does not match manifest"):
         shard_set.read_samples()
-    problems = shard_set.verify()
-    assert len(problems) == 1 and victim.name in problems[0]
+    problems = shard_set.verify()  # the full audit checks sha256
+    assert len(problems) == 1 and f"{victim.name}: sha256" in problems[0]
+
+
+def test_entries_without_crc32_are_checked_with_sha256(tmp_path, samples):
+    uri = tmp_path / "set"
+    write_samples(str(uri), samples)
+    doc = json.loads((uri / "manifest.json").read_text())
+    for entry in doc["files"]:
+        del entry["crc32"]
+    (uri / "manifest.json").write_text(json.dumps(doc))
+    assert read_samples(str(uri)) == samples
+    part = next(uri.glob("part-*"))
+    _flip_byte(part, 200)
+    with pytest.raises(CorruptArtifactError, match=f"{part.name}: sha256 .* does not match manifest"):
+        read_samples(str(uri))
 
 
 def test_truncated_missing_and_bad_manifest(tmp_path, samples):
