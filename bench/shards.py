@@ -101,12 +101,12 @@ def run_once(samples: list[Sample], fmt: str, workdir: Path) -> dict[str, float]
         data = pa.py_buffer(plain_path.read_bytes())  # bytes really read, as the store must to verify them
         if fmt == "parquet":
             return pq.read_table(pa.BufferReader(data))
-        return ipc.open_file(data).read_all().combine_chunks()
+        return ipc.open_file(data).read_all()
 
     t_store_w, _ = timed(store_write)
     t_plain_w, _ = timed(plain_write)
     nbytes = sum(f.bytes for f in ShardSet.open(store_uri).manifest.files)
-    t_store_r, table = timed(lambda: ShardSet.open(store_uri).read_table().combine_chunks())
+    t_store_r, table = timed(lambda: ShardSet.open(store_uri).read_table())
     t_plain_r, _ = timed(plain_read)
     t_samples_r, back = timed(lambda: ShardSet.open(store_uri).read_samples())
     assert table.num_rows == len(back) == len(samples)

@@ -18,6 +18,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slime import __version__
@@ -153,15 +154,15 @@ class _Crc32:
         self.value = zlib.crc32(data, self.value)
 
 
-def read_verified(fs: Any, path: str, entry: FileEntry, uri: str, chunk_bytes: int = 8 * 1024**2) -> bytearray:
+def read_verified(fs: Any, path: str, entry: FileEntry, uri: str, chunk_bytes: int = 8 * 1024**2) -> pa.Buffer:
     """Read a listed file and check its size and checksum (crc32, or sha256 for entries without one).
 
     The checksum of each chunk is computed on a helper thread while the next chunk is read.
     """
     where = join_uri(uri, entry.path)
     checker = _Crc32() if entry.crc32 is not None else hashlib.sha256()
-    buf = bytearray(entry.bytes)
-    view = memoryview(buf)
+    buf = pa.allocate_buffer(entry.bytes)  # uninitialised: zero-filling first would double the memory traffic
+    view = memoryview(buf).cast("B")
     pos = 0
     try:
         with fs.open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
