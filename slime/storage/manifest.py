@@ -124,7 +124,7 @@ def commit_manifest(uri: str, manifest: Manifest, storage_options: dict[str, Any
     """
     fs, path = open_fs(manifest_uri(uri), storage_options)
     blob = manifest.to_json()
-    fs.makedirs(fs._parent(path), exist_ok=True)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     if is_local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         with open(tmp, "wb") as f:
