@@ -83,6 +83,13 @@ def _datasets_make_tiny(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace, extra: list[str]) -> int:
+    """Run the built-in SGLang-protocol engine server (its own flags: `slime engine --help`)."""
+    from slime.engines.builtin.server import main as engine_main
+
+    return engine_main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slime", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -101,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("uri", help="shard set directory (any fsspec URL)")
     inspect.add_argument("--storage-options", default="{}", help="fsspec options as JSON")
     inspect.set_defaults(handler=_shards_inspect)
+
+    engine = commands.add_parser("engine", add_help=False, help="run the built-in inference engine server "
+                                 "(slime engine --model PATH --host 127.0.0.1 --port P)")
+    engine.set_defaults(handler=_engine, takes_overrides=True)
 
     datasets = commands.add_parser("datasets", help="bundled data sets").add_subparsers(dest="sub", required=True)
     tiny = datasets.add_parser("make-tiny", help="build the tiny model kit (tokenizer, Qwen2 model, task data)")

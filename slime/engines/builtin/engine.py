@@ -1,0 +1,234 @@
+"""The built-in engine: a `transformers` model behind the scheduler, answering in SGLang's shapes.
+
+This module turns SGLang request bodies (`/generate`'s `GenerateReqInput` subset) into scheduler
+requests and scheduler results into SGLang responses, and implements the control operations
+(weight update from disk, memory release, cache flush). HTTP lives in `server.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slime import __version__
+from slime.engines.builtin.sampling import BadRequestError, SamplingParams
+from slime.engines.builtin.scheduler import Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+# GenerateReqInput fields this engine implements; other SGLang fields are accepted only when unset.
+_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                    "top_logprobs_num", "stream", "return_text_in_logprobs", "log_metrics", "session_params",
+                    "custom_logit_processor", "priority", "routing_key", "return_hidden_states", "image_data",
+                    "input_embeds", "lora_path", "modalities", "no_logs", "background", "extra_key",
+                    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"}
+_UNSET_ONLY = _GENERATE_FIELDS - {"text", "input_ids", "sampling_params", "rid", "return_logprob",
+                                  "logprob_start_len", "log_metrics", "priority", "routing_key", "no_logs",
+                                  "extra_key", "data_parallel_rank", "return_text_in_logprobs"}
+
+
+@dataclass
+class EngineArgs:
+    """How the engine starts (mirrors the SGLang flags of the same name)."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    dtype: str = "auto"
+    random_seed: int = 0
+    max_running_requests: int = 256
+    context_length: int | None = None
+    served_model_name: str | None = None
+    weight_version: str = "default"
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class BuiltinEngine:
+    """Model + tokenizer + scheduler, with SGLang's request and response formats."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = _resolve_device(args.device)
+        self.dtype = _resolve_dtype(args.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype).to(self.device).eval()
+        self.model_path = args.model_path
+        self.scheduler = Scheduler(
+            self.model, self.tokenizer, device=self.device, seed=args.random_seed,
+            max_running_requests=args.max_running_requests, context_length=args.context_length,
+        )
+        self.scheduler.weight_version = args.weight_version
+        self.scheduler.start()
+        logger.info("built-in engine: %s on %s (%s)", args.model_path, self.device, self.dtype)
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+
+    # ------------------------------------------------------------------ /generate
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Handle one `/generate` body: a single request, or a batch when the inputs are lists."""
+        unknown = sorted(set(body) - _GENERATE_FIELDS)
+        if unknown:
+            raise BadRequestError(f"unknown /generate field(s) {unknown}")
+        for name in sorted(_UNSET_ONLY & set(body)):
+            if body[name] not in (None, False, 0, [], {}):
+                raise BadRequestError(f"/generate field {name!r} is not supported by the built-in engine")
+        if ("text" in body) == ("input_ids" in body):
+            raise BadRequestError("give exactly one of 'text' or 'input_ids'")
+        inputs = body.get("input_ids", body.get("text"))
+        batched = isinstance(inputs, list) and bool(inputs) and isinstance(inputs[0], list | str)
+        items = inputs if batched else [inputs]
+        kind = str if "text" in body else list
+        if not all(isinstance(item, kind) for item in items):
+            raise BadRequestError("input_ids must be a list of integers (or a list of such lists); "
+                                  "text a string (or a list of strings)")
+        n = len(items)
+
+        def per_item(name: str, default: Any) -> list[Any]:
+            """A field given once for all inputs, or (batched) as one entry per input."""
+            value = body.get(name, default)
+            if not isinstance(value, list):
+                return [value] * n
+            if not batched or len(value) != n:
+                raise BadRequestError(f"{name} is a list of {len(value)} but there are {n} inputs")
+            return value
+
+        sampling = per_item("sampling_params", {})
+        rids = per_item("rid", None)
+        return_logprob = per_item("return_logprob", False)
+        start_len = per_item("logprob_start_len", -1)
+        # validate every item before submitting any, so a bad item leaves no orphaned work behind
+        parsed = [
+            (self._tokens(item), SamplingParams.from_request(sampling[i]), rids[i] or uuid.uuid4().hex,
+             start_len[i] if return_logprob[i] and start_len[i] is not None else -1)
+            for i, item in enumerate(items)
+        ]
+        futures = [self.scheduler.submit(ids, params, rid, logprob_start_len=start)
+                   for ids, params, rid, start in parsed]
+        started = time.perf_counter()
+        results = await asyncio.gather(*futures)
+        outputs = [self._response(r, bool(return_logprob[i]), time.perf_counter() - started)
+                   for i, r in enumerate(results)]
+        return outputs if batched else outputs[0]
+
+    def _tokens(self, item: Any) -> list[int]:
+        if isinstance(item, str):
+            ids = self.tokenizer.encode(item, add_special_tokens=False)
+            self.scheduler.check_input(ids)
+            return ids
+        if isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            self.scheduler.check_input(item)
+            return item
+        raise BadRequestError("input_ids must be a list of integers (or a list of such lists); text a string")
+
+    def _response(self, request: Request, return_logprob: bool, latency: float) -> dict[str, Any]:
+        params = request.params
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=params.skip_special_tokens)
+        if request.matched_stop and not params.no_stop_trim:
+            text = text[: text.find(request.matched_stop)] if request.matched_stop in text else text
+        meta: dict[str, Any] = {
+            "id": request.rid,
+            "finish_reason": request.finish_reason,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(request.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.scheduler.weight_version,
+            "e2e_latency": latency,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                             zip(request.output_logprobs, request.output_ids, strict=True)]
+            start = max(request.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                            zip(request.input_logprobs, request.input_ids[start:], strict=False)]
+        return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+
+    # ------------------------------------------------------------------ control
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None) -> dict[str, Any]:
+        """Load HF safetensors from `model_path` into the live model, in place, between two steps."""
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            return {"success": False, "message": f"no *.safetensors files in {model_path}", "num_paused_requests": 0}
+
+        def load() -> str:
+            state: dict[str, torch.Tensor] = {}
+            for path in files:
+                state.update(load_file(path))
+            result = self.model.load_state_dict(state, strict=False)
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            missing = sorted(set(result.missing_keys) - tied)
+            if missing or result.unexpected_keys:
+                raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                                 f"unexpected {sorted(result.unexpected_keys)[:5]}")
+            return f"loaded {len(state)} tensors from {model_path}"
+
+        try:
+            message = self.scheduler.run_command(load).result()
+        except Exception as exc:
+            return {"success": False, "message": f"weight update failed: {exc}", "num_paused_requests": 0}
+        self.model_path = model_path
+        if weight_version is not None:
+            self.scheduler.weight_version = str(weight_version)
+            message += f" Weight version updated to {weight_version}."
+        return {"success": True, "message": message, "num_paused_requests": 0}
+
+    def release_memory(self) -> None:
+        """Give back accelerator memory (weights to host); refused while requests are in flight."""
+        if self.scheduler.busy:
+            raise BadRequestError("cannot release memory while requests are running; pause and abort first")
+        self.scheduler.set_released(True)
+        if self.device.type == "cuda":
+            self.scheduler.run_command(lambda: self.model.to("cpu")).result()
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.scheduler.run_command(lambda: self.model.to(self.device)).result()
+        self.scheduler.set_released(False)
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in vars(self.args).items()},
+            "weight_version": self.scheduler.weight_version,
+            "engine": "slime-builtin",
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
+                                 "generated_tokens": self.scheduler.generated_tokens,
+                                 "paused": self.scheduler.paused}],
+            "version": __version__,
+        }

@@ -1,0 +1,38 @@
+"""Start a built-in engine server as a child process and wait until it can generate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from slime.engines.process import ServerProcess, find_free_port
+
+
+def start_builtin_engine(
+    model_path: str,
+    *,
+    log_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    random_seed: int = 0,
+    max_running_requests: int = 256,
+    timeout_s: float = 180.0,
+) -> tuple[ServerProcess, str]:
+    """Launch `python -m slime.engines.builtin` on a free port; return the process and its URL.
+
+    The process is stopped again if it does not answer `/health_generate` within `timeout_s`.
+    """
+    port = port or find_free_port(host)
+    cmd = [sys.executable, "-m", "slime.engines.builtin", "--model", model_path, "--host", host,
+           "--port", str(port), "--device", device, "--dtype", dtype, "--random-seed", str(random_seed),
+           "--max-running-requests", str(max_running_requests)]
+    process = ServerProcess(cmd, log_path=log_path, name=f"builtin-engine:{port}").start()
+    url = f"http://{host}:{port}"
+    try:
+        process.wait_healthy(f"{url}/health_generate", timeout_s=timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+    return process, url

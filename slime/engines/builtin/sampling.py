@@ -1,0 +1,144 @@
+"""Sampling parameters (SGLang's names) and the batched sampler of the built-in engine.
+
+The log-prob reported for a token is its log-probability under the distribution it was actually
+drawn from: logits / temperature, then top-k and top-p truncation, renormalised. With the default
+top_p=1, top_k=-1 that is `log_softmax(logits / T)`, exactly what the trainer recomputes, so train
+and rollout log-probs agree. Greedy rows (temperature 0) report `log_softmax(logits)`.
+
+Each request draws from its own `torch.Generator` (seeded by `sampling_seed`, or from the engine's
+seed and the request's arrival number), so a request's samples do not depend on what else is in
+the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from slime.errors import SlimeError
+
+
+class BadRequestError(SlimeError, ValueError):
+    """A request the engine refuses (HTTP 400), with a message naming the field."""
+
+
+# Known SGLang sampling fields the built-in engine does not implement: accepted only at their
+# neutral value, so a request relying on them fails loudly instead of being sampled differently.
+_NEUTRAL = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+# Accepted and ignored: they change nothing in a non-streaming, single-sample response.
+_IGNORED = {"stream_interval", "spaces_between_special_tokens"}
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang's `SamplingParams` that the built-in engine implements."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_request(cls, raw: dict[str, Any] | None) -> SamplingParams:
+        """Validate a request's `sampling_params` dict; every problem names its field."""
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        for name in list(raw):
+            if name in _IGNORED:
+                raw.pop(name)
+            elif name in _NEUTRAL:
+                value = raw.pop(name)
+                if value is not None and value != _NEUTRAL[name]:
+                    raise BadRequestError(
+                        f"sampling_params.{name}={value!r} is not supported by the built-in engine "
+                        f"(only {_NEUTRAL[name]!r}); use engine: sglang"
+                    )
+            elif name not in known:
+                raise BadRequestError(f"unknown sampling_params field {name!r}; known: {sorted(known | set(_NEUTRAL))}")
+        if isinstance(raw.get("stop"), str):
+            raw["stop"] = [raw["stop"]]
+        for name in ("stop", "stop_token_ids"):
+            if raw.get(name) is None:
+                raw.pop(name, None)
+        params = cls(**raw)
+        params._check()
+        return params
+
+    def _check(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise BadRequestError(f"sampling_params.{name}={getattr(self, name)!r}: {what}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        need(is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "must be an integer >= 0")
+        need(isinstance(self.temperature, int | float) and self.temperature >= 0, "temperature", "must be >= 0")
+        need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 or >= 1")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be a string or a list of non-empty strings")
+        need(isinstance(self.stop_token_ids, list) and all(is_int(t) for t in self.stop_token_ids),
+             "stop_token_ids", "must be a list of integers")
+        need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed", "must be an integer")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, name), bool), name, "must be true or false")
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    top_ks: torch.Tensor,
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and return (tokens [B], log-probs [B]) under the used distribution.
+
+    Args:
+        logits: [B, V] float32, already masked where tokens are banned (min_new_tokens).
+        temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off); generators: one per row.
+    """
+    greedy = temperatures == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
+    vocab = logits.shape[1]
+    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
+    if bool((k < vocab).any()):
+        kth = torch.topk(scaled, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if bool((top_ps < 1).any()):
+        sorted_logits, order = torch.sort(scaled, dim=1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=1)
+        # drop a token when the mass strictly before it already reaches top_p (the top one always stays)
+        drop_sorted = (torch.cumsum(probs, dim=1) - probs) >= top_ps.unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop & (top_ps < 1).unsqueeze(1), float("-inf"))
+    logprobs = torch.log_softmax(scaled, dim=1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p; each row's noise
+    # comes from that request's own generator.
+    noise = torch.stack([torch.empty(vocab, device=logits.device).exponential_(generator=g) for g in generators])
+    drawn = torch.argmax(logprobs - torch.log(noise), dim=1)
+    tokens = torch.where(greedy, torch.argmax(scaled, dim=1), drawn)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,412 @@
+"""Continuous batching for the built-in engine: one model thread, requests joining between steps.
+
+Running sequences share one batched key/value cache in which every row is right-aligned (left
+padding, masked out). A step first prefills newly arrived requests as their own padded batch and
+merges their cache into the running one (padding whichever is shorter on the left), then decodes
+one token for every running row. Finished rows are dropped from the cache, and columns that became
+padding in every row are trimmed. Any `transformers` causal LM works, since only its forward pass
+(with `attention_mask`, `position_ids` and a `DynamicCache`) is used.
+
+Control commands (weight updates, cache flush, memory release) run on the model thread between
+steps, so they never race a forward pass. `pause()` stops stepping without touching running
+requests (SGLang's in-place pause), `abort()` finishes requests with the tokens they have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    logprob_start_len: int = -1  # >= 0: also score the prompt from this position (SGLang's field)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    matched_stop: str | None = None
+    abort_requested: bool = False
+
+
+@dataclass
+class _Batch:
+    """Running rows: their requests, the shared cache and the validity mask of its columns."""
+
+    requests: list[Request]
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, T] long: 1 where the cache column holds a real token of that row
+    next_tokens: torch.Tensor  # [B] the token each row feeds at the next decode step
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if width == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class Scheduler:
+    """Owns the model; `submit` from any thread or event loop, results arrive on the caller's loop."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        seed: int = 0,
+        max_running_requests: int = 256,
+        context_length: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.seed = seed
+        self.max_running_requests = max_running_requests
+        self.context_length = context_length or getattr(model.config, "max_position_embeddings", 1 << 30)
+        self.eos_ids = self._eos_ids()
+        self.weight_version = "default"
+        self._arrivals = itertools.count()
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._waiting: list[Request] = []
+        self._batch: _Batch | None = None
+        self._wake = threading.Event()
+        self._paused = False
+        self._released = False
+        self._stopping = False
+        self._abort_all = False
+        self._abort_rids: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="builtin-engine", daemon=True)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ public API (any thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def check_input(self, input_ids: list[int]) -> None:
+        """Raise BadRequestError for input this engine cannot run (before anything is queued)."""
+        if not input_ids:
+            raise BadRequestError("input is empty: give at least one token")
+        if len(input_ids) >= self.context_length:
+            raise BadRequestError(f"prompt has {len(input_ids)} tokens; the context length is {self.context_length}")
+        if self._released:
+            raise BadRequestError("engine memory is released; call /resume_memory_occupation first")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"input_ids holds {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str, logprob_start_len: int = -1) -> asyncio.Future:
+        """Queue a request; the returned future (of the calling event loop) resolves to the Request."""
+        self.check_input(input_ids)
+        loop = asyncio.get_running_loop()
+        seed = params.sampling_seed if params.sampling_seed is not None else self.seed * 1_000_003 + next(self._arrivals)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        request = Request(rid, list(input_ids), params, generator, loop.create_future(), loop,
+                          logprob_start_len=logprob_start_len)
+        self._inbox.put(request)
+        self._wake.set()
+        return request.done
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        with self._lock:
+            if abort_all:
+                self._abort_all = True
+            elif rid is not None:
+                self._abort_rids.add(rid)
+        self._wake.set()
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def run_command(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the model thread between two steps (also while paused)."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def load(self) -> dict[str, int]:
+        running = len(self._batch.requests) if self._batch else 0
+        tokens = int(self._batch.mask.sum()) if self._batch else 0
+        return {"num_reqs": running + len(self._waiting) + self._inbox.qsize(),
+                "num_waiting_reqs": len(self._waiting) + self._inbox.qsize(), "num_tokens": tokens}
+
+    def set_released(self, released: bool) -> None:
+        self._released = released
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._batch or self._waiting or not self._inbox.empty())
+
+    # ------------------------------------------------------------------ model thread
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                ids |= set(value) if isinstance(value, list | tuple) else {value}
+        return ids
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_commands()
+            while True:
+                try:
+                    self._waiting.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            self._apply_aborts()
+            if self._paused or not (self._waiting or self._batch):
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as exc:  # a failed step fails its requests, the engine keeps serving
+                logger.exception("engine step failed")
+                failed = (self._batch.requests if self._batch else []) + self._waiting
+                self._batch, self._waiting = None, []
+                for request in failed:
+                    self._fail(request, exc)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.inference_mode():
+                    future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            abort_all, rids = self._abort_all, self._abort_rids
+            self._abort_all, self._abort_rids = False, set()
+        if not (abort_all or rids):
+            return
+        for request in self._waiting + (self._batch.requests if self._batch else []):
+            if abort_all or request.rid in rids:
+                request.abort_requested = True
+        for request in [r for r in self._waiting if r.abort_requested]:
+            self._waiting.remove(request)
+            self._finish(request, {"type": "abort", "message": "Aborted"})
+        self._drop_finished()
+
+    def _step(self) -> None:
+        room = self.max_running_requests - (len(self._batch.requests) if self._batch else 0)
+        if room > 0 and self._waiting:
+            admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            scoring = [r for r in admitted if r.params.max_new_tokens == 0]
+            if scoring:  # prompt scoring only (e.g. teacher log-probs): no token is generated
+                self._prefill(scoring, generate=False)
+            admitted = [r for r in admitted if r.params.max_new_tokens > 0]
+            if admitted:
+                self._prefill(admitted)
+                self._drop_finished()  # rows that stopped at their first token
+        if self._batch is not None:
+            self._decode()
+        self._drop_finished()
+        self.steps += 1
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
+        """Logits [B, V] of the last position, or [B, T, V] of every position when asked."""
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
+        return out.logits.float() if all_positions else out.logits[:, -1, :].float()
+
+    def _score_prompts(self, requests: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """SGLang's input_token_logprobs: log p(token_i | tokens_<i) for i >= logprob_start_len,
+        None for the first token of the sequence (nothing predicts it)."""
+        logprobs = torch.log_softmax(logits[:, :-1, :], dim=-1).gather(2, ids[:, 1:].unsqueeze(2)).squeeze(2)
+        width = ids.shape[1]
+        for row, request in enumerate(requests):
+            if request.logprob_start_len < 0:
+                continue
+            n = len(request.input_ids)
+            values = [None] + logprobs[row, width - n : width - 1].tolist()
+            request.input_logprobs = values[request.logprob_start_len :]
+
+    def _prefill(self, requests: list[Request], generate: bool = True) -> None:
+        width = max(len(r.input_ids) for r in requests)
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        mask = torch.zeros(len(requests), width, dtype=torch.long)
+        for row, request in enumerate(requests):
+            n = len(request.input_ids)
+            ids[row, width - n :] = torch.tensor(request.input_ids)
+            mask[row, width - n :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        scoring = any(r.logprob_start_len >= 0 for r in requests)
+        logits = self._forward(ids, mask, positions, cache, all_positions=scoring)
+        if scoring:
+            self._score_prompts(requests, logits, ids)
+            logits = logits[:, -1, :]
+        if not generate:
+            for request in requests:
+                self._finish(request, {"type": "length", "length": 0})
+            return
+        tokens = self._choose(requests, logits)
+        self._merge(_Batch(requests, cache, mask, tokens))
+
+    def _decode(self) -> None:
+        batch = self._batch
+        live = torch.tensor([r.finish_reason is None for r in batch.requests], device=self.device)
+        batch.mask = torch.cat([batch.mask, live.long().unsqueeze(1)], dim=1)
+        positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
+        logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
+        batch.next_tokens = self._choose(batch.requests, logits)
+
+    def _choose(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sample the next token of every row that is still running and record it."""
+        for row, request in enumerate(requests):
+            if len(request.output_ids) < request.params.min_new_tokens:
+                banned = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else list(self.eos_ids))
+                if banned:
+                    logits[row, banned] = float("-inf")
+        p = [r.params for r in requests]
+        tokens, logprobs = sample(
+            logits,
+            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=self.device),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
+            torch.tensor([x.top_k for x in p], dtype=torch.long, device=self.device),
+            [r.generator for r in requests],
+        )
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
+            if request.finish_reason is None:
+                request.output_ids.append(token)
+                request.output_logprobs.append(logprob)
+                self.generated_tokens += 1
+                self._check_stop(request)
+        return tokens
+
+    def _check_stop(self, request: Request) -> None:
+        params, token = request.params, request.output_ids[-1]
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            request.finish_reason = {"type": "stop", "matched": token}
+        elif params.stop:
+            text = self.tokenizer.decode(request.output_ids[-64:], skip_special_tokens=False)
+            for stop in params.stop:
+                if stop in text:
+                    request.finish_reason = {"type": "stop", "matched": stop}
+                    request.matched_stop = stop
+                    break
+        if request.finish_reason is None and (
+            len(request.output_ids) >= params.max_new_tokens
+            or len(request.input_ids) + len(request.output_ids) >= self.context_length
+        ):
+            request.finish_reason = {"type": "length", "length": len(request.output_ids)}
+
+    def _merge(self, new: _Batch) -> None:
+        if self._batch is None:
+            self._batch = new
+            return
+        old = self._batch
+        width = max(old.mask.shape[1], new.mask.shape[1])
+        pad_old, pad_new = width - old.mask.shape[1], width - new.mask.shape[1]
+        layers = []
+        for (ko, vo), (kn, vn) in zip(_cache_tensors(old.cache), _cache_tensors(new.cache), strict=True):
+            layers.append((torch.cat([_left_pad(ko, pad_old, 2), _left_pad(kn, pad_new, 2)]),
+                           torch.cat([_left_pad(vo, pad_old, 2), _left_pad(vn, pad_new, 2)])))
+        self._batch = _Batch(
+            old.requests + new.requests,
+            DynamicCache(layers, config=self.model.config),
+            torch.cat([_left_pad(old.mask, pad_old, 1), _left_pad(new.mask, pad_new, 1)]),
+            torch.cat([old.next_tokens, new.next_tokens]),
+        )
+
+    def _drop_finished(self) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        for request in batch.requests:
+            if request.abort_requested and request.finish_reason is None:
+                request.finish_reason = {"type": "abort", "message": "Aborted"}
+        keep = [i for i, r in enumerate(batch.requests) if r.finish_reason is None]
+        for request in batch.requests:
+            if request.finish_reason is not None:
+                self._finish(request, request.finish_reason)
+        if not keep:
+            self._batch = None
+            return
+        if len(keep) == len(batch.requests):
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = batch.mask.index_select(0, index)
+        start = int((mask.sum(dim=0) > 0).long().argmax())  # first column some row still uses
+        layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+                  for k, v in _cache_tensors(batch.cache)]
+        self._batch = _Batch([batch.requests[i] for i in keep], DynamicCache(layers, config=self.model.config),
+                             mask[:, start:], batch.next_tokens.index_select(0, index))
+
+    def _finish(self, request: Request, reason: dict[str, Any]) -> None:
+        request.finish_reason = reason
+        request.loop.call_soon_threadsafe(_resolve, request.done, request)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        request.loop.call_soon_threadsafe(_reject, request.done, exc)
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _reject(future: asyncio.Future, exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)

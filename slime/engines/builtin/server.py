@@ -1,0 +1,180 @@
+"""HTTP server of the built-in engine: SGLang's endpoint names, bodies and response shapes.
+
+    slime engine --model runs/tiny-kit/model --host 127.0.0.1 --port 30000
+    python -m slime.engines.builtin --model ... (the same)
+
+Errors are HTTP 400 with SGLang's error body `{"object": "error", "message", "type", "code"}`; a bad
+request never stops the server. Binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
+from slime.engines.builtin.sampling import BadRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "code": status},
+                        status_code=status)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def create_app(engine: BuiltinEngine) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine is shut down with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+
+    @app.exception_handler(BadRequestError)
+    async def bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
+        return _error(str(exc))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Any:
+        return await engine.generate(await _json_body(request))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.scheduler._thread.is_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """200 when the model thread can produce a token (immediately when it is already busy)."""
+        if not engine.scheduler._thread.is_alive():
+            return Response(status_code=503)
+        if engine.scheduler.busy or engine.scheduler.paused:
+            return Response(status_code=200)
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        try:
+            await asyncio.wait_for(engine.scheduler.submit([0], params, "HEALTH_CHECK"), HEALTH_GENERATE_TIMEOUT_S)
+        except (TimeoutError, BadRequestError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        return [{"dp_rank": 0, **engine.scheduler.load()}]
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": engine.scheduler.weight_version}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = engine.args.served_model_name or engine.args.model_path
+        return {"object": "list", "data": [{"id": name, "object": "model", "root": name, "owned_by": "slime",
+                                            "max_model_len": engine.scheduler.context_length}]}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request)
+        if not body.get("abort_all") and not body.get("rid"):
+            raise BadRequestError("give 'rid' or 'abort_all': true")
+        engine.scheduler.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation() -> dict[str, str]:
+        engine.scheduler.pause()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, str]:
+        engine.scheduler.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # no prefix cache to flush; like SGLang, refuse while requests are running
+        if engine.scheduler.busy:
+            return PlainTextResponse("Cache not flushed: requests are running.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        if not isinstance(body.get("model_path"), str):
+            raise BadRequestError("update_weights_from_disk needs 'model_path' (a directory of safetensors)")
+        if body.get("abort_all_requests"):
+            engine.scheduler.abort(abort_all=True)
+        result = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"], body.get("weight_version"))
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation() -> Response:
+        await asyncio.to_thread(engine.release_memory)
+        return Response(status_code=200)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation() -> Response:
+        await asyncio.to_thread(engine.resume_memory)
+        return Response(status_code=200)
+
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slime engine", description="Built-in SGLang-protocol inference server.")
+    parser.add_argument("--model", "--model-path", dest="model_path", required=True, help="HF model directory")
+    parser.add_argument("--tokenizer-path", help="default: the model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k != "log_level"})
+    engine = BuiltinEngine(engine_args)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    return 0
