@@ -592,6 +592,16 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("checkpoint.save_interval", "save_interval is set but save (the checkpoint directory) is not")
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
         fail("data.rollout_max_prompt_len", "needs checkpoint.hf_checkpoint for its tokenizer")
+    if config.sglang or config.router:
+        from slime.engines.router import check_router_args
+        from slime.engines.sglang_server import check_sglang_args
+
+        for section, check in (("sglang", check_sglang_args), ("router", check_router_args)):
+            for key, value in getattr(config, section).items():
+                try:
+                    check({key: value})
+                except ConfigError as exc:
+                    raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
     if config.megatron:
         unknown = sorted(set(config.megatron) - megatron_flag_names())
         if unknown:

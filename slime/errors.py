@@ -35,3 +35,29 @@ class CorruptArtifactError(StorageError):
 
 class SchemaVersionError(StorageError):
     """A shard was written with a schema version this code cannot read."""
+
+
+class EngineError(SlimeError):
+    """Base class of inference-engine and router errors (launch, HTTP, worker registration)."""
+
+
+class EngineStartError(EngineError, RuntimeError):
+    """An engine or router process exited or did not become healthy in time; the message has its log tail."""
+
+
+class EngineHTTPError(EngineError):
+    """An HTTP request to an engine or the router failed for good (after any retries).
+
+    `status` and `body` are None when no response came back (connection refused, timeout).
+    """
+
+    def __init__(self, message: str, *, method: str = "", url: str = "", status: int | None = None,
+                 body: str | None = None) -> None:
+        super().__init__(message)
+        self.method = method
+        self.url = url
+        self.status = status
+        self.body = body
+
+    def __reduce__(self):  # keep the attributes across pickling (Ray, Prefect, multiprocessing)
+        return (type(self), self.args, self.__dict__)

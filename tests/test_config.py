@@ -160,3 +160,12 @@ def test_parse_overrides_records_origins():
     nested, origin = parse_overrides(["--eps-clip=0.3", "--sglang-tp-size", "2"])
     assert nested == {"algorithm": {"eps_clip": "0.3"}, "sglang": {"tp_size": 2}}
     assert origin == {"algorithm.eps_clip": "--eps-clip", "sglang.tp_size": "--sglang-tp-size"}
+
+
+def test_unknown_sglang_and_router_flags_name_the_closest_real_one():
+    with pytest.raises(ConfigError, match=r"(?s)--sglang-mem-fraction-statc: .*did you mean --sglang-mem-fraction-static"):
+        load_config(None, ["--sglang-mem-fraction-statc", "0.5"])
+    with pytest.raises(ConfigError, match=r"(?s)--router-polcy: .*did you mean --router-policy"):
+        load_config(None, ["--router-polcy", "round_robin"])
+    with pytest.raises(ConfigError, match="--sglang-port cannot be passed through"):
+        load_config(None, ["--sglang-port", "3000"])

@@ -158,13 +158,20 @@ def test_batched_body_and_text_input(engine):
     ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}, "not supported"),
     ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown sampling_params field 'temprature'"),
-    ({"input_ids": [1], "stream": True}, "'stream' is not supported"),
-    ({"input_ids": [1], "bogus": 1}, "unknown /generate field"),
+    ({"input_ids": [1], "stream": True}, "'stream'=True is not supported"),
+    ({"input_ids": [1], "top_logprobs_num": 5}, "'top_logprobs_num'=5 is not supported"),
     ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "rid is a list of 1 but there are 2 inputs"),
 ])
 def test_bad_requests_are_refused(engine, body, message):
     with pytest.raises(BadRequestError, match=message):
         run(engine.generate(body))
+
+
+def test_fields_added_by_the_router_are_accepted(engine):
+    # sglang-router re-serialises bodies and adds these; SGLang ignores them, so must we
+    out = run(engine.generate({"input_ids": [49], "model": "tiny", "stream": False, "return_bytes": False,
+                               "return_entropy": False, "sampling_params": {"max_new_tokens": 1}}))
+    assert out["meta_info"]["completion_tokens"] == 1
 
 
 def test_sampling_params_defaults_match_sglang():

@@ -26,15 +26,15 @@ from slime.engines.builtin.scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
 
-# GenerateReqInput fields this engine implements; other SGLang fields are accepted only when unset.
-_GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                    "top_logprobs_num", "stream", "return_text_in_logprobs", "log_metrics", "session_params",
-                    "custom_logit_processor", "priority", "routing_key", "return_hidden_states", "image_data",
-                    "input_embeds", "lora_path", "modalities", "no_logs", "background", "extra_key",
-                    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"}
-_UNSET_ONLY = _GENERATE_FIELDS - {"text", "input_ids", "sampling_params", "rid", "return_logprob",
-                                  "logprob_start_len", "log_metrics", "priority", "routing_key", "no_logs",
-                                  "extra_key", "data_parallel_rank", "return_text_in_logprobs"}
+# /generate fields (SGLang's GenerateReqInput) this engine implements.
+_SUPPORTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+# Fields that carry routing or bookkeeping information only; sglang-router adds some of them (`model`)
+# to every body it forwards. Ignored whatever their value.
+_INFORMATIONAL_FIELDS = {"model", "routing_key", "priority", "log_metrics", "no_logs", "extra_key", "custom_labels",
+                         "conversation_id", "external_trace_header", "received_time", "data_parallel_rank",
+                         "return_text_in_logprobs", "session_id", "http_worker_ipc"}
+# Any other field (stream, image_data, top_logprobs_num, return_hidden_states, lora_path, ...) asks for a
+# feature this engine lacks: accepted only when unset, refused otherwise rather than silently ignored.
 
 
 @dataclass
@@ -91,12 +91,10 @@ class BuiltinEngine:
 
     async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """Handle one `/generate` body: a single request, or a batch when the inputs are lists."""
-        unknown = sorted(set(body) - _GENERATE_FIELDS)
-        if unknown:
-            raise BadRequestError(f"unknown /generate field(s) {unknown}")
-        for name in sorted(_UNSET_ONLY & set(body)):
-            if body[name] not in (None, False, 0, [], {}):
-                raise BadRequestError(f"/generate field {name!r} is not supported by the built-in engine")
+        for name in sorted(set(body) - _SUPPORTED_FIELDS - _INFORMATIONAL_FIELDS):
+            if body[name] not in (None, False, 0, "", [], {}):
+                raise BadRequestError(f"/generate field {name!r}={body[name]!r:.60} is not supported by the "
+                                      "built-in engine (use engine: sglang)")
         if ("text" in body) == ("input_ids" in body):
             raise BadRequestError("give exactly one of 'text' or 'input_ids'")
         inputs = body.get("input_ids", body.get("text"))

@@ -1,0 +1,145 @@
+"""Built-in engine throughput vs plain `transformers` generate on the same model.
+
+Output tokens/s for N concurrent requests x M new tokens (sampling, temperature 1, EOS ignored so
+every request produces exactly M tokens). The engine runs as its real HTTP server process and is
+driven by N concurrent `/generate` calls; the baseline is one batched `model.generate` call on
+left-padded prompts in this process. Both are measured warm: one untimed warm-up run first, whose
+time is reported separately.
+
+    python bench/engine.py --model runs/tiny-kit/model                   # CPU, tiny kit
+    python bench/engine.py --model DIR --device cuda --dtype bfloat16    # GPU
+
+Figures go to docs/benchmarks.md (command, machine, median of the repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slime.engines.builtin.launcher import start_builtin_engine
+
+# Shapes of Qwen2.5 models, for random-weight benchmarks (no download needed).
+QWEN2_SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def make_random_qwen2(size: str, out_dir: Path, dtype: str) -> Path:
+    """A random Qwen2 checkpoint of real shape, with the tiny kit's tokenizer (ids it does not
+    know decode to nothing, which is fine for throughput)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime.data.tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(max_position_embeddings=4096, **QWEN2_SHAPES[size])
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # stay clear of special tokens at the top of the vocabulary
+    return torch.randint(0, max(2, vocab - 8), (n, length), generator=generator).tolist()
+
+
+def run_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, device: str) -> float:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+                             temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=pad_id, output_scores=True,
+                             return_dict_in_generate=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert out.sequences.shape[1] == width + new_tokens
+    return elapsed
+
+
+async def run_engine(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+    body = {"return_logprob": True, "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    limits = httpx.Limits(max_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
+        start = time.perf_counter()
+        replies = await asyncio.gather(*[client.post(f"{url}/generate", json={**body, "input_ids": p})
+                                         for p in prompts])
+        elapsed = time.perf_counter() - start
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["meta_info"]["completion_tokens"] == new_tokens
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="HF model directory")
+    source.add_argument("--random-qwen2", choices=sorted(QWEN2_SHAPES), help="random weights of this shape")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--skip-generate", action="store_true", help="only the engine")
+    args = parser.parse_args()
+
+    scratch = tempfile.TemporaryDirectory()
+    if args.random_qwen2:
+        args.model = str(make_random_qwen2(args.random_qwen2, Path(scratch.name) / "model", args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = make_prompts(args.requests, args.prompt_len, len(tokenizer))
+    tokens = args.requests * args.new_tokens
+    print(f"{args.requests} concurrent requests x {args.new_tokens} new tokens, prompt {args.prompt_len} tokens, "
+          f"{args.device} {args.dtype}, warm median of {args.repeats}")
+
+    results: dict[str, tuple[float, list[float]]] = {}
+    if not args.skip_generate:
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        warm = run_generate(model, prompts, args.new_tokens, pad, args.device)
+        results["transformers generate"] = (warm, [run_generate(model, prompts, args.new_tokens, pad, args.device)
+                                                   for _ in range(args.repeats)])
+        del model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
+                                            dtype=args.dtype, max_running_requests=max(256, args.requests))
+        try:
+            warm = asyncio.run(run_engine(url, prompts, args.new_tokens))
+            results["built-in engine (HTTP)"] = (warm, [asyncio.run(run_engine(url, prompts, args.new_tokens))
+                                                        for _ in range(args.repeats)])
+        finally:
+            process.stop()
+    scratch.cleanup()
+
+    for name, (warm, times) in results.items():
+        median = statistics.median(times)
+        print(f"{name:26s} {tokens / median:10.0f} tok/s  (median {median:.2f} s, min {min(times):.2f}, "
+              f"max {max(times):.2f}; warm-up run {warm:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Inference engines: SGLang and built-in server launch, sglang-router management, the async HTTP client."""
