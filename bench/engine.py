@@ -3,8 +3,9 @@
 Output tokens/s for N concurrent requests x M new tokens (sampling, temperature 1, EOS ignored so
 every request produces exactly M tokens). The engine runs as its real HTTP server process and is
 driven by N concurrent `/generate` calls; the baseline is one batched `model.generate` call on
-left-padded prompts in this process. Both are measured warm: one untimed warm-up run first, whose
-time is reported separately.
+left-padded prompts in this process. Both are measured warm: one untimed warm-up run of each first,
+whose time is reported separately. The two alternate within each repeat (A B A B ...), so drift of
+a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
 
     python bench/engine.py --model runs/tiny-kit/model                   # CPU, tiny kit
     python bench/engine.py --model DIR --device cuda --dtype bfloat16    # GPU
@@ -115,30 +116,37 @@ def main() -> None:
           f"{args.device} {args.dtype}, warm median of {args.repeats}")
 
     results: dict[str, tuple[float, list[float]]] = {}
+    model = None
     if not args.skip_generate:
-        dtype = getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        warm = run_generate(model, prompts, args.new_tokens, pad, args.device)
-        results["transformers generate"] = (warm, [run_generate(model, prompts, args.new_tokens, pad, args.device)
-                                                   for _ in range(args.repeats)])
-        del model
-
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
+        model.eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests))
         try:
-            warm = asyncio.run(run_engine(url, prompts, args.new_tokens))
-            results["built-in engine (HTTP)"] = (warm, [asyncio.run(run_engine(url, prompts, args.new_tokens))
-                                                        for _ in range(args.repeats)])
+            engine_times, generate_times = [], []
+            engine_warm = asyncio.run(run_engine(url, prompts, args.new_tokens))
+            generate_warm = run_generate(model, prompts, args.new_tokens, pad, args.device) if model else 0.0
+            for _ in range(args.repeats):
+                engine_times.append(asyncio.run(run_engine(url, prompts, args.new_tokens)))
+                if model is not None:
+                    generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
         finally:
             process.stop()
     scratch.cleanup()
+    results["built-in engine (HTTP)"] = (engine_warm, engine_times)
+    if generate_times:
+        results["transformers generate"] = (generate_warm, generate_times)
 
     for name, (warm, times) in results.items():
         median = statistics.median(times)
         print(f"{name:26s} {tokens / median:10.0f} tok/s  (median {median:.2f} s, min {min(times):.2f}, "
               f"max {max(times):.2f}; warm-up run {warm:.2f} s)")
+    if generate_times:
+        ratios = [g / e for g, e in zip(generate_times, engine_times, strict=True)]
+        print(f"engine speed / generate speed, per repeat: median {statistics.median(ratios):.2f} "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ drawn from: logits / temperature, then top-k and top-p truncation, renormalised.
 top_p=1, top_k=-1 that is `log_softmax(logits / T)`, exactly what the trainer recomputes, so train
 and rollout log-probs agree. Greedy rows (temperature 0) report `log_softmax(logits)`.
 
-Each request draws from its own `torch.Generator` (seeded by `sampling_seed`, or from the engine's
-seed and the request's arrival number), so a request's samples do not depend on what else is in
-the batch.
+Tokens are drawn by inverse CDF: one uniform number per row, taken from that request's own
+`random.Random` (seeded by `sampling_seed`, or from the engine's seed and the request's arrival
+number), located in the row's cumulative distribution with one vectorised `searchsorted`. So a
+request's samples do not depend on what else is in the batch, and a step costs a few batched tensor
+ops instead of one random-number kernel per row (measured: 0.9 ms of 1.4 ms per step for 64 rows
+on CPU went to per-row `exponential_` noise).
 """
 
 from __future__ import annotations
@@ -113,13 +116,14 @@ def sample(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     top_ks: torch.Tensor,
-    generators: list[torch.Generator],
+    uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return (tokens [B], log-probs [B]) under the used distribution.
 
     Args:
         logits: [B, V] float32, already masked where tokens are banned (min_new_tokens).
-        temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off); generators: one per row.
+        temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off).
+        uniforms: [B] float64 in [0, 1), one per row, from each request's own random stream.
     """
     greedy = temperatures == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
@@ -136,9 +140,10 @@ def sample(
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop & (top_ps < 1).unsqueeze(1), float("-inf"))
     logprobs = torch.log_softmax(scaled, dim=1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p; each row's noise
-    # comes from that request's own generator.
-    noise = torch.stack([torch.empty(vocab, device=logits.device).exponential_(generator=g) for g in generators])
-    drawn = torch.argmax(logprobs - torch.log(noise), dim=1)
+    # inverse CDF in float64: the first token whose cumulative mass exceeds u * total; tokens with
+    # zero probability add nothing to the CDF and can never be the first to exceed it
+    cdf = torch.cumsum(logprobs.double().exp(), dim=1)
+    targets = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(1)
+    drawn = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp(max=vocab - 1)
     tokens = torch.where(greedy, torch.argmax(scaled, dim=1), drawn)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ class Request:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    rng: random.Random  # this request's own random stream: its samples do not depend on the batch
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
     arrival: float = field(default_factory=time.perf_counter)
@@ -87,12 +88,16 @@ class Scheduler:
         seed: int = 0,
         max_running_requests: int = 256,
         context_length: int | None = None,
+        admission_window_s: float = 0.01,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.seed = seed
         self.max_running_requests = max_running_requests
+        # An idle engine waits this long after a request arrives for the rest of a burst, so that
+        # concurrent requests are prefilled together (no left padding between them for their whole life).
+        self.admission_window_s = admission_window_s
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", 1 << 30)
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -140,8 +145,7 @@ class Scheduler:
         self.check_input(input_ids)
         loop = asyncio.get_running_loop()
         seed = params.sampling_seed if params.sampling_seed is not None else self.seed * 1_000_003 + next(self._arrivals)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        request = Request(rid, list(input_ids), params, generator, loop.create_future(), loop,
+        request = Request(rid, list(input_ids), params, random.Random(seed), loop.create_future(), loop,
                           logprob_start_len=logprob_start_len)
         self._inbox.put(request)
         self._wake.set()
@@ -205,6 +209,8 @@ class Scheduler:
                 except queue.Empty:
                     break
             self._apply_aborts()
+            if self._batch is None and self._waiting and not self._paused:
+                self._collect_burst()
             if self._paused or not (self._waiting or self._batch):
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -218,6 +224,17 @@ class Scheduler:
                 self._batch, self._waiting = None, []
                 for request in failed:
                     self._fail(request, exc)
+
+    def _collect_burst(self) -> None:
+        deadline = min(r.arrival for r in self._waiting) + self.admission_window_s
+        while len(self._waiting) < self.max_running_requests:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            try:
+                self._waiting.append(self._inbox.get(timeout=remaining))
+            except queue.Empty:
+                return
 
     def _run_commands(self) -> None:
         while True:
@@ -264,6 +281,8 @@ class Scheduler:
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
         """Logits [B, V] of the last position, or [B, T, V] of every position when asked."""
+        # without padding the mask says nothing: leaving it out lets attention skip building one
+        mask = None if bool(mask.all()) else mask
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
         return out.logits.float() if all_positions else out.logits[:, -1, :].float()
@@ -324,7 +343,7 @@ class Scheduler:
             torch.tensor([x.temperature for x in p], dtype=torch.float32, device=self.device),
             torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
             torch.tensor([x.top_k for x in p], dtype=torch.long, device=self.device),
-            [r.generator for r in requests],
+            torch.tensor([r.rng.random() for r in requests], dtype=torch.float64, device=self.device),
         )
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
