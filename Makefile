@@ -32,16 +32,18 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "slow and not gpu and not sglang" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/python bench/shards.py
+	$(BIN)/slime datasets make-tiny $(KIT)
+	$(BIN)/python bench/engine.py --model $(KIT)/model
 
 clean-venv:
 	rm -rf $(VENV)
