@@ -83,6 +83,23 @@ def _datasets_make_tiny(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _stage(run: str) -> Callable[[argparse.Namespace, list[str]], int]:
+    """A handler that loads the config (file + overrides), runs one library stage, prints its result."""
+
+    def handler(args: argparse.Namespace, overrides: list[str]) -> int:
+        import importlib
+
+        from slime.config import load_config
+
+        module, function = run.rsplit(".", 1)
+        config = load_config(args.config, overrides)
+        result = getattr(importlib.import_module(module), function)(config)
+        print(json.dumps(result, indent=1, sort_keys=True))
+        return 0
+
+    return handler
+
+
 def _engine(args: argparse.Namespace, extra: list[str]) -> int:
     """Run the built-in SGLang-protocol engine server (its own flags: `slime engine --help`)."""
     from slime.engines.builtin.server import main as engine_main
@@ -94,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slime", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stages = {
+        "convert": ("slime.convert.run_convert", "HF checkpoint -> Megatron torch_dist (--hf-checkpoint, --save)"),
+        "export": ("slime.export.run_export", "Megatron checkpoint -> HF safetensors (--load, --output-dir)"),
+    }
+    for name, (run, description) in stages.items():
+        stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "
+                                    "can be given as --flag value (slime's flag names).")
+        stage.add_argument("--config", help="YAML config file")
+        stage.set_defaults(handler=_stage(run), takes_overrides=True)
 
     config = commands.add_parser("config", help="inspect configurations").add_subparsers(dest="sub", required=True)
     show = config.add_parser("show", help="print the resolved config and section hashes",

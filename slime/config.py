@@ -176,6 +176,14 @@ class SftConfig(_Section):
     sft_num_epoch: int = Field(1, ge=1)
 
 
+class ExportConfig(_Section):
+    """Megatron checkpoint -> HF safetensors directory."""
+
+    output_dir: str | None = Field(None, description="HF directory to write (must not hold a committed export)")
+    origin_hf_dir: str | None = Field(None, description="HF dir for config and tokenizer; default: the one "
+                                                        "recorded in the checkpoint")
+
+
 class EvalConfig(_Section):
     """Periodic and stand-alone evaluation."""
 
@@ -223,6 +231,7 @@ class Config(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     sglang: dict[str, Any] = Field(default_factory=dict)

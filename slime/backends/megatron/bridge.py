@@ -1,0 +1,122 @@
+"""HF <-> Megatron-core model bridging through mbridge, with the fixes mbridge 0.15 needs here.
+
+mbridge maps Hugging Face checkpoints onto megatron-core `GPTModel`s and back. Four things stop it
+working with transformers 5 and without Transformer Engine (both the CPU machines and the GPU
+machine here lack TE); `make_bridge` fixes each on the bridge instance, never on mbridge's classes:
+
+1. transformers 5 keeps `rope_theta` in `config.rope_parameters`; mbridge reads `config.rope_theta`.
+2. mbridge always builds the Transformer Engine layer spec; without TE we use megatron-core's local
+   spec (`use_transformer_engine=False`).
+3. The local spec has separate norm weights (`input_layernorm`, `pre_mlp_layernorm`) that mbridge's
+   name maps do not know; they are added (the MLP map is chosen by "mlp" in the name).
+4. The fused kernels that need apex or TE are switched off.
+
+mbridge also writes the tied-embedding mapping into its *class* dict at construction, so a process
+that bridges a tied and then an untied model would map the output layer wrongly; each bridge gets
+its own copy of the maps. Research notes: ../shared/research/megatron.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import logging
+import types
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from slime.engines.process import find_free_port
+from slime.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+with warnings.catch_warnings():  # megatron warns at import when Transformer Engine / apex are absent
+    warnings.simplefilter("ignore")
+    from mbridge import AutoBridge
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """A single-process torch.distributed group (gloo on CPU, NCCL on GPU) and Megatron's parallel
+    state, for conversion and single-rank work. On CPU, activates the compatibility layer first."""
+    if not torch.cuda.is_available():
+        from slime.backends.megatron import cpu_compat
+
+        cpu_compat.activate()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
+                                timeout=dt.timedelta(minutes=10))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _local_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
+    """megatron-core's local (non-TE) decoder block spec, in place of mbridge's TE spec."""
+    return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
+                                      vp_stage=vp_stage)
+
+
+def load_hf_config(hf_dir: str) -> Any:
+    config = AutoConfig.from_pretrained(hf_dir)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{hf_dir}: model type {config.model_type!r} is not supported by the Megatron backend; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "rope_theta", None) is None:  # fix 1
+        config.rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return config
+
+
+def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int | None = 128) -> Any:
+    """An mbridge bridge for the HF checkpoint at `hf_dir`, fixed as the module docstring says.
+
+    Megatron's parallel state must be initialised first (`init_megatron`).
+    """
+    config = load_hf_config(hf_dir)
+    bridge = AutoBridge.from_config(config, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cls = type(bridge)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    bridge._DIRECT_MAPPING = {**cls._DIRECT_MAPPING,
+                              "output_layer.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+    bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
+    if not HAVE_TE:
+        bridge._get_transformer_layer_spec = types.MethodType(_local_layer_spec, bridge)  # fix 2
+        bridge._OTHER_MAPPING = {**cls._OTHER_MAPPING,  # fix 3
+                                 "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+        bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
+                               "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
+    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,  # fix 4
+                      gradient_accumulation_fusion=False, persist_layer_norm=False)
+    if not torch.cuda.is_available():
+        fusion_off["use_cpu_initialization"] = True
+    bridge.set_extra_args(**fusion_off)
+    return bridge
+
+
+def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False) -> list[torch.nn.Module]:
+    """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given."""
+    dtype = bridge.dtype
+    models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                              use_cpu_initialization=not torch.cuda.is_available())
+    if hf_dir is not None:
+        bridge.load_weights(models, hf_dir)
+    return models
+
+
+def export_hf_weights(bridge: Any, models: list[torch.nn.Module]) -> Any:
+    """Iterator of (HF name, tensor) for the current Megatron weights, padded vocab rows removed."""
+    vocab = bridge.hf_config.vocab_size
+    for name, tensor in bridge.export_weights(models):
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] > vocab:
+            tensor = tensor[:vocab]
+        yield name, tensor

@@ -1,0 +1,51 @@
+"""Stage `convert`: a Hugging Face checkpoint -> a Megatron torch_dist checkpoint (through mbridge).
+
+    slime convert --hf-checkpoint runs/tiny-kit/model --save runs/exp/convert/checkpoint
+    python -m slime.convert --config deployments/tiny-cpu.yaml
+
+The result is iteration 0 of `--save`, committed with a manifest recording the model type, the HF
+config, the dtype and the source directory, so `export` and training can rebuild the same model.
+Precision: fp32 unless the Megatron flag `--bf16` is set.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from slime.config import Config
+
+
+def megatron_dtype(config: Config) -> torch.dtype:
+    return torch.bfloat16 if config.megatron.get("bf16") else torch.float32
+
+
+def run_convert(config: Config) -> dict[str, Any]:
+    """Convert `checkpoint.hf_checkpoint` into `checkpoint.save`; returns the checkpoint path and hash."""
+    config.require("checkpoint.hf_checkpoint", "checkpoint.save", stage="convert")
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+    from slime.backends.megatron.checkpoint import iteration_dir, save_model_checkpoint
+    from slime.storage import manifest_hash
+
+    hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
+    dtype = megatron_dtype(config)
+    init_megatron(seed=config.run.seed)
+    bridge = make_bridge(hf_dir, dtype)
+    models = build_model(bridge, hf_dir)
+    save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"), metadata={
+        "model_type": bridge.hf_config.model_type,
+        "hf_config": bridge.hf_config.to_dict(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "origin_hf_dir": hf_dir,
+        "padded_vocab_size": bridge.padded_vocab_size,
+    })
+    path = iteration_dir(save, 0)
+    return {"checkpoint": path, "manifest_hash": manifest_hash(path)}
+
+
+if __name__ == "__main__":
+    from slime.cli import main
+
+    sys.exit(main(["convert", *sys.argv[1:]]))

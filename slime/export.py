@@ -1,0 +1,77 @@
+"""Stage `export`: a Megatron checkpoint -> an HF safetensors directory for transformers and SGLang.
+
+    slime export --load runs/exp/rl/checkpoints --output-dir runs/exp/export/hf [--origin-hf-dir DIR]
+    python -m slime.export --config deployments/tiny-cpu.yaml
+
+`--load` is a checkpoint directory (`iter_NNNNNNN`) or a `--save` root (its newest committed
+iteration). The model is rebuilt from the HF config recorded at conversion, the weights are mapped
+back through mbridge with the padded vocabulary rows removed, and the config, generation config and
+tokenizer files are copied from the origin HF directory. The output is committed with a manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Any
+
+import torch
+
+from slime.config import Config
+from slime.errors import ConfigError, NotCommittedError
+
+# files of an HF directory that describe the model rather than hold its weights
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                  "tokenizer.model", "added_tokens.json")
+
+
+def resolve_checkpoint(load: str) -> str:
+    """`load` itself when it is a committed checkpoint, else the newest committed one under it."""
+    from slime.backends.megatron.checkpoint import latest_checkpoint
+    from slime.storage import is_committed
+
+    if is_committed(load):
+        return load
+    latest = latest_checkpoint(load)
+    if latest is None:
+        raise NotCommittedError(f"{load} holds no committed checkpoint (no iter_*/manifest.json)")
+    return latest
+
+
+def run_export(config: Config) -> dict[str, Any]:
+    """Export `checkpoint.load` to `export.output_dir`; returns the output path and its manifest hash."""
+    config.require("checkpoint.load", "export.output_dir", stage="export")
+    from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
+    from slime.backends.megatron.checkpoint import load_model_checkpoint
+    from slime.backends.megatron.hf_export import save_hf_weights
+    from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
+
+    path = resolve_checkpoint(config.checkpoint.load)
+    meta = read_manifest(path).metadata
+    origin = config.export.origin_hf_dir or meta.get("origin_hf_dir")
+    if not origin or not os.path.isfile(os.path.join(origin, "config.json")):
+        raise ConfigError(f"export needs the origin HF directory (config and tokenizer): {origin!r} has no "
+                          "config.json; pass --origin-hf-dir")
+    out = config.export.output_dir
+    if is_committed(out):
+        raise ConfigError(f"{out} already holds a committed export; choose another --output-dir")
+    dtype = torch.bfloat16 if meta.get("dtype") == "bfloat16" else torch.float32
+    init_megatron(seed=config.run.seed)
+    bridge = make_bridge(origin, dtype)
+    models = build_model(bridge)
+    load_model_checkpoint(models, path)
+    files = save_hf_weights(export_hf_weights(bridge, models), out)
+    for name in _HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(origin, name)):
+            shutil.copyfile(os.path.join(origin, name), os.path.join(out, name))
+    commit_directory(out, "hf_model", metadata={"source_checkpoint": path, "iteration": meta.get("iteration"),
+                                                "weights": files, "origin_hf_dir": origin})
+    return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
+
+
+if __name__ == "__main__":
+    from slime.cli import main
+
+    sys.exit(main(["export", *sys.argv[1:]]))
