@@ -1,0 +1,88 @@
+"""Response log-probs (and entropy) of samples under a Megatron model: what the trainer compares with
+the rollout engine's log-probs and feeds to the policy loss.
+
+Samples are right-padded into one `[B, S]` batch; with causal attention, padding after a sequence
+never affects its own positions, so no attention mask is needed. Logits at position j predict token
+j + 1, so the response tokens `tokens[P : P + R]` of a sample with prompt length P are scored by the
+logits at positions `P - 1 ... P + R - 2`. Outputs are response-aligned `[B, R_max]` tensors with a
+mask, the layout of `slime.algorithms`.
+
+Megatron pads the vocabulary (to a multiple of 128); the padded entries are not tokens, so they are
+cut off before the softmax; otherwise they would take probability mass and the log-probs would
+differ from the HF model's and the engine's. Temperature divides the logits as in sampling.
+Tensor parallelism > 1 (vocab-sharded logits) is not supported yet and is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime.algorithms.policy_loss import entropy_from_logits
+from slime.errors import ConfigError
+from slime.types import Sample
+
+
+@dataclass
+class PaddedBatch:
+    """Samples as one right-padded token batch, with what is needed to find each response."""
+
+    tokens: torch.Tensor  # [B, S] long, right-padded
+    prompt_lengths: torch.Tensor  # [B] long
+    response_lengths: torch.Tensor  # [B] long
+
+    @property
+    def max_response_length(self) -> int:
+        return int(self.response_lengths.max()) if len(self.response_lengths) else 0
+
+
+def pad_samples(samples: list[Sample], pad_token_id: int = 0, device: str | torch.device = "cpu") -> PaddedBatch:
+    """Right-pad the samples' `tokens`; every sample needs a prompt of at least one token."""
+    width = max(len(s.tokens) for s in samples)
+    tokens = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        if len(sample.tokens) - sample.response_length < 1:
+            raise ConfigError(f"sample {sample.index}: no prompt token before the response; cannot score it")
+        tokens[row, : len(sample.tokens)] = torch.tensor(sample.tokens, dtype=torch.long)
+    response = torch.tensor([s.response_length for s in samples], dtype=torch.long)
+    prompt = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long) - response
+    return PaddedBatch(tokens.to(device), prompt.to(device), response.to(device))
+
+
+def response_positions(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`[B, R_max]` indices of the logits that score each response token, `[B, R_max]` bool mask)."""
+    steps = torch.arange(batch.max_response_length, device=batch.tokens.device).unsqueeze(0)
+    mask = steps < batch.response_lengths.unsqueeze(1)
+    positions = (batch.prompt_lengths.unsqueeze(1) - 1 + steps).clamp(max=batch.tokens.shape[1] - 2)
+    return torch.where(mask, positions, 0), mask
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    batch: PaddedBatch,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs `[B, R_max]` of the response tokens (0 where masked), the mask, and optionally the
+    entropy `[B, R_max]` of each scoring distribution. Gradients flow when called with grad enabled."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        raise ConfigError("response log-probs with tensor parallelism > 1 are not supported yet")
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
+    seq = batch.tokens.shape[1]
+    position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
+    logits = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, V_padded]
+    positions, mask = response_positions(batch)
+    # only the scoring positions: [B, R_max, V], real vocabulary only, temperature-scaled
+    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2]))[..., :vocab_size]
+    scoring = scoring.float() / temperature
+    targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
+    logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+    logp = torch.where(mask, logp, 0.0)
+    entropy = torch.where(mask, entropy_from_logits(scoring), 0.0) if with_entropy else None
+    return logp, mask, entropy

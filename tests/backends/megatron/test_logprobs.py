@@ -1,0 +1,56 @@
+"""Megatron response log-probs equal HF teacher-forced log-probs (fp32, CPU): what keeps the
+train/rollout mismatch near zero, since the engine matches HF the same way."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from slime.backends.megatron.logprobs import pad_samples, response_positions
+from slime.data.tiny import build_tokenizer
+from slime.errors import ConfigError
+from slime.types import Sample
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_parity(hf_dir) -> dict:
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("logprob_parity.py")), str(hf_dir)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+
+
+def test_tiny_kit_log_probs_match_hf(tiny_kit):
+    row = run_parity(tiny_kit.model_dir)
+    assert row["max_gap"] < 1e-5 and row["entropy_gap"] < 1e-4, row
+
+
+def test_padded_vocabulary_is_excluded(tmp_path):
+    # vocab 300 is padded to 384 inside Megatron; padded entries must not take probability mass
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    row = run_parity(tmp_path)
+    assert row["padded_vocab"] == 384 and row["vocab"] == 300
+    assert row["max_gap"] < 1e-5, row
+
+
+def test_response_positions_and_padding():
+    samples = [Sample(tokens=[1, 2, 3, 4, 5], response_length=2), Sample(tokens=[7, 8], response_length=1),
+               Sample(tokens=[9, 9, 9], response_length=0)]
+    batch = pad_samples(samples, pad_token_id=0)
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 5], [7, 8, 0, 0, 0], [9, 9, 9, 0, 0]]
+    positions, mask = response_positions(batch)
+    # sample 0: prompt 3 -> responses 4 and 5 are scored by logits at positions 2 and 3
+    assert positions[0].tolist() == [2, 3] and mask[0].tolist() == [True, True]
+    assert positions[1, 0].item() == 0 and mask[1].tolist() == [True, False]
+    assert mask[2].tolist() == [False, False]
+    with pytest.raises(ConfigError, match="no prompt token"):
+        pad_samples([Sample(tokens=[1, 2], response_length=2)])
