@@ -14,7 +14,8 @@ code sends `/generate` to. Facts this module is built on, measured against 0.3.2
 * it forwards `/generate` and the OpenAI routes to one worker and broadcasts `POST /flush_cache`, but
   answers 404 for `/abort_request`, `/update_weights_*`, `/init_weights_update_group`,
   `/pause_generation`, `/continue_generation`, `/release_memory_occupation`,
-  `/resume_memory_occupation` and `/get_weight_version`: those go to each worker directly
+  `/resume_memory_occupation` and `/update_weight_version`: those go to each worker directly (a
+  worker's weight version is in its `GET /model_info`; SGLang 0.5.23 has no `/get_weight_version`)
   (`broadcast`).
 """
 
@@ -310,8 +311,9 @@ class SGLangRouter:
         """Send `method path` to every registered worker directly (what the router does not route).
 
         Use for `/abort_request`, `/update_weights_from_*`, `/pause_generation`,
-        `/continue_generation`, `/release_memory_occupation`, `/resume_memory_occupation` and
-        `GET /get_weight_version`. The worker list is read from the router through `client`.
+        `/continue_generation`, `/release_memory_occupation`, `/resume_memory_occupation`,
+        `/update_weight_version` and `GET /model_info` (each worker's weight version). The worker list
+        is read from the router through `client`.
         """
         listing = await client.get(self.url + "/workers")
         urls = [w["url"] for w in listing["workers"] if w.get("is_healthy") or not healthy_only]

@@ -70,7 +70,7 @@ def test_abort_all_through_broadcast_returns_partial_tokens(cluster, http):
     def long_request():
         with httpx.Client(timeout=300, trust_env=False) as client:
             results.append(client.post(f"{router.url}/generate", json={
-                "input_ids": [49, 50], "sampling_params": {"max_new_tokens": 100_000, "ignore_eos": True}}))
+                "input_ids": [49, 50], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
 
     threads = [threading.Thread(target=long_request) for _ in range(2)]
     for thread in threads:
@@ -92,7 +92,7 @@ def test_abort_all_through_broadcast_returns_partial_tokens(cluster, http):
     for reply in results:
         out = reply.json()
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 0 < len(out["output_ids"]) < 100_000
+        assert 0 < len(out["output_ids"]) < 500
     # no request is left running on any engine
     assert all(http.get(f"{url}/get_load").json()[0]["num_reqs"] == 0 for _, url in engines)
 

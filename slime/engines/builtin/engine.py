@@ -120,11 +120,13 @@ class BuiltinEngine:
         return_logprob = per_item("return_logprob", False)
         start_len = per_item("logprob_start_len", -1)
         # validate every item before submitting any, so a bad item leaves no orphaned work behind
-        parsed = [
-            (self._tokens(item), SamplingParams.from_request(sampling[i]), rids[i] or uuid.uuid4().hex,
-             start_len[i] if return_logprob[i] and start_len[i] is not None else -1)
-            for i, item in enumerate(items)
-        ]
+        parsed = []
+        for i, item in enumerate(items):
+            params = SamplingParams.from_request(sampling[i])
+            ids = self._tokens(item)
+            self.scheduler.check_input(ids, params.max_new_tokens)
+            parsed.append((ids, params, rids[i] or uuid.uuid4().hex,
+                           start_len[i] if return_logprob[i] and start_len[i] is not None else -1))
         futures = [self.scheduler.submit(ids, params, rid, logprob_start_len=start)
                    for ids, params, rid, start in parsed]
         started = time.perf_counter()
@@ -135,11 +137,8 @@ class BuiltinEngine:
 
     def _tokens(self, item: Any) -> list[int]:
         if isinstance(item, str):
-            ids = self.tokenizer.encode(item, add_special_tokens=False)
-            self.scheduler.check_input(ids)
-            return ids
+            return self.tokenizer.encode(item, add_special_tokens=False)
         if isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            self.scheduler.check_input(item)
             return item
         raise BadRequestError("input_ids must be a list of integers (or a list of such lists); text a string")
 

@@ -127,12 +127,19 @@ class Scheduler:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    def check_input(self, input_ids: list[int]) -> None:
-        """Raise BadRequestError for input this engine cannot run (before anything is queued)."""
+    def check_input(self, input_ids: list[int], max_new_tokens: int = 0) -> None:
+        """Raise BadRequestError for input this engine cannot run (before anything is queued).
+
+        Like SGLang 0.5.23, prompt + max_new_tokens may not exceed the context length.
+        """
         if not input_ids:
             raise BadRequestError("input is empty: give at least one token")
-        if len(input_ids) >= self.context_length:
-            raise BadRequestError(f"prompt has {len(input_ids)} tokens; the context length is {self.context_length}")
+        total = len(input_ids) + max_new_tokens
+        if total > self.context_length or len(input_ids) >= self.context_length:
+            raise BadRequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {total} tokens: {len(input_ids)} tokens from the input "
+                f"and {max_new_tokens} tokens for the completion.")
         if self._released:
             raise BadRequestError("engine memory is released; call /resume_memory_occupation first")
         vocab = self.model.config.vocab_size
@@ -142,7 +149,7 @@ class Scheduler:
 
     def submit(self, input_ids: list[int], params: SamplingParams, rid: str, logprob_start_len: int = -1) -> asyncio.Future:
         """Queue a request; the returned future (of the calling event loop) resolves to the Request."""
-        self.check_input(input_ids)
+        self.check_input(input_ids, params.max_new_tokens)
         loop = asyncio.get_running_loop()
         seed = params.sampling_seed if params.sampling_seed is not None else self.seed * 1_000_003 + next(self._arrivals)
         request = Request(rid, list(input_ids), params, random.Random(seed), loop.create_future(), loop,

@@ -3,8 +3,9 @@
     slime engine --model runs/tiny-kit/model --host 127.0.0.1 --port 30000
     python -m slime.engines.builtin --model ... (the same)
 
-Errors are HTTP 400 with SGLang's error body `{"object": "error", "message", "type", "code"}`; a bad
-request never stops the server. Binds 127.0.0.1 unless told otherwise.
+Errors are HTTP 400 with the body SGLang 0.5.23 gives for a refused request, `{"error": {"message": ...}}`
+(checked against a real server: tests/engines/test_protocol_conformance.py); a bad request never
+stops the server. Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "code": status},
-                        status_code=status)
+    return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -96,7 +96,18 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
     async def get_load() -> list[dict[str, Any]]:
         return [{"dp_rank": 0, **engine.scheduler.load()}]
 
-    @app.get("/get_weight_version")
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        if not isinstance(body.get("new_version"), str):
+            raise BadRequestError("update_weight_version needs 'new_version' (a string)")
+        if body.get("abort_all_requests"):
+            engine.scheduler.abort(abort_all=True)
+        engine.scheduler.weight_version = body["new_version"]
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"]}
+
+    @app.get("/get_weight_version")  # not in SGLang 0.5.23 (there: /model_info); kept for convenience
     async def get_weight_version() -> dict[str, Any]:
         return {"weight_version": engine.scheduler.weight_version}
 
