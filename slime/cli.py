@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stages = {
         "convert": ("slime.convert.run_convert", "HF checkpoint -> Megatron torch_dist (--hf-checkpoint, --save)"),
+        "sft": ("slime.sft.run_sft", "supervised fine-tuning on chat data (--sft-data, --hf-checkpoint, --save)"),
         "export": ("slime.export.run_export", "Megatron checkpoint -> HF safetensors (--load, --output-dir)"),
     }
     for name, (run, description) in stages.items():

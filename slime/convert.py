@@ -25,7 +25,7 @@ def megatron_dtype(config: Config) -> torch.dtype:
 def run_convert(config: Config) -> dict[str, Any]:
     """Convert `checkpoint.hf_checkpoint` into `checkpoint.save`; returns the checkpoint path and hash."""
     config.require("checkpoint.hf_checkpoint", "checkpoint.save", stage="convert")
-    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+    from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import iteration_dir, save_model_checkpoint
     from slime.storage import manifest_hash
 
@@ -34,13 +34,8 @@ def run_convert(config: Config) -> dict[str, Any]:
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, dtype)
     models = build_model(bridge, hf_dir)
-    save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"), metadata={
-        "model_type": bridge.hf_config.model_type,
-        "hf_config": bridge.hf_config.to_dict(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "origin_hf_dir": hf_dir,
-        "padded_vocab_size": bridge.padded_vocab_size,
-    })
+    save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"),
+                          metadata={**checkpoint_metadata(bridge, hf_dir), "stage": "convert"})
     path = iteration_dir(save, 0)
     return {"checkpoint": path, "manifest_hash": manifest_hash(path)}
 

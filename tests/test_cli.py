@@ -76,7 +76,7 @@ def test_config_reference_matches_docs(capsys):
     )
 
 
-@pytest.mark.parametrize("stage", ["sft", "rejection-sample", "rl", "evaluate", "pipeline"])
+@pytest.mark.parametrize("stage", ["rejection-sample", "rl", "evaluate", "pipeline"])
 def test_unbuilt_stages_are_not_registered(stage):
     # a stage that does not exist yet must not pretend to work
     result = run(stage, "--config", "deployments/tiny-cpu.yaml")

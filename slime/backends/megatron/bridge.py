@@ -103,11 +103,20 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     return bridge
 
 
+def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:
+    """What a checkpoint records so that export and training can rebuild the same model."""
+    return {"model_type": bridge.hf_config.model_type, "hf_config": bridge.hf_config.to_dict(),
+            "dtype": str(bridge.dtype).removeprefix("torch."), "origin_hf_dir": hf_dir,
+            "padded_vocab_size": bridge.padded_vocab_size}
+
+
 def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False) -> list[torch.nn.Module]:
-    """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given."""
+    """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given.
+    With `wrap_with_ddp` they are wrapped in megatron DDP (gradient buffers), as training needs."""
     dtype = bridge.dtype
+    ddp_config = {"grad_reduce_in_fp32": True, "use_distributed_optimizer": False} if wrap_with_ddp else None
     models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                              use_cpu_initialization=not torch.cuda.is_available())
+                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config)
     if hf_dir is not None:
         bridge.load_weights(models, hf_dir)
     return models

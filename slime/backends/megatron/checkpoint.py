@@ -54,7 +54,7 @@ def save_model_checkpoint(models: list[torch.nn.Module], save: str, iteration: i
         raise ConfigError(f"{path} is already a committed checkpoint; use another --save or iteration")
     model_dir = os.path.join(path, "model")
     os.makedirs(model_dir, exist_ok=True)
-    state = models[0].sharded_state_dict()
+    state = _bare(models[0]).sharded_state_dict()
     dist_checkpointing.save(state, model_dir)
     if dist.is_initialized():
         dist.barrier()
@@ -74,6 +74,15 @@ def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
     manifest = read_manifest(path)
     if manifest.kind != CHECKPOINT_KIND:
         raise NotCommittedError(f"{path} is a committed {manifest.kind!r}, not a checkpoint")
-    state = dist_checkpointing.load(models[0].sharded_state_dict(), os.path.join(path, "model"))
-    models[0].load_state_dict(state)
+    model = _bare(models[0])
+    state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, "model"))
+    model.load_state_dict(state)
     return manifest
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16 wrappers: checkpoints use its key space, so a checkpoint saved
+    from a training (wrapped) model loads into a bare one and back."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)

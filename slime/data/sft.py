@@ -1,0 +1,58 @@
+"""SFT conversations -> training samples whose loss mask covers exactly the assistant's tokens.
+
+Each record holds a chat (`messages_key`, default "messages"). The chat template renders and tokenizes
+it and marks what the assistant produced (`return_assistant_tokens_mask`, which needs the template's
+`{% generation %}` blocks, as the tiny kit's has). Everything before the first assistant token is the
+prompt; after it, the loss mask is 1 on assistant tokens (content and end-of-turn) and 0 on the user
+and tool turns in between, so multi-turn conversations train only on what the model said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slime.data.prompts import read_records
+from slime.errors import DataFormatError
+from slime.types import Sample
+
+
+def conversation_sample(messages: list[dict[str, Any]], tokenizer: Any, *, index: int, where: str,
+                        tools: list[dict] | None = None) -> Sample:
+    """One conversation as a Sample: prompt = tokens before the first assistant token."""
+    try:
+        encoded = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+    except Exception as exc:  # template errors concern this record
+        raise DataFormatError(f"{where}: chat template failed: {type(exc).__name__}: {exc}") from exc
+    ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
+    if not any(mask):
+        raise DataFormatError(f"{where}: no assistant tokens to train on (no assistant message, or the chat "
+                              "template lacks {% generation %} blocks)")
+    prompt_length = mask.index(1)
+    return Sample(index=index, group_index=index, prompt=messages, tokens=ids,
+                  response=tokenizer.decode(ids[prompt_length:]), response_length=len(ids) - prompt_length,
+                  loss_mask=mask[prompt_length:], status=Sample.Status.COMPLETED,
+                  metadata={"tools": tools} if tools else {})
+
+
+def load_sft_samples(path: str, tokenizer: Any, *, messages_key: str = "messages", tool_key: str | None = "tools",
+                     max_length: int | None = None, storage_options: dict | None = None) -> list[Sample]:
+    """Read a JSONL/Parquet file of conversations (any fsspec URL, `path@[a:b]` slices) into samples.
+
+    Conversations longer than `max_length` tokens are an error naming the line, not silently cut.
+    """
+    samples = []
+    for number, record in read_records(path, storage_options):
+        where = f"{path.split('@[')[0]}:{number}"
+        messages = record.get(messages_key)
+        if not isinstance(messages, list) or not messages:
+            raise DataFormatError(f"{where}: field {messages_key!r} (messages_key) must be a non-empty list of "
+                                  f"chat messages; fields present: {sorted(record)}")
+        tools = record.get(tool_key) if tool_key else None
+        sample = conversation_sample(messages, tokenizer, index=len(samples), where=where, tools=tools)
+        if max_length is not None and len(sample.tokens) > max_length:
+            raise DataFormatError(f"{where}: conversation has {len(sample.tokens)} tokens, more than {max_length}")
+        samples.append(sample)
+    if not samples:
+        raise DataFormatError(f"{path}: no conversations")
+    return samples
