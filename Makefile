@@ -12,6 +12,8 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 STAMP := $(VENV)/.installed
 KIT ?= runs/tiny-kit
+RUN ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
+CONFIG ?= deployments/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-slow lint bench clean-venv
@@ -24,11 +26,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-# The main job. Until the pipeline stages land it builds the tiny kit and validates the tiny
-# pipeline config; later it runs the whole pipeline (convert -> sft -> ... -> export).
+# The main job: the stages that exist so far, on the embedded CPU default, in a new run directory:
+# tiny kit -> convert (HF -> Megatron) -> SFT -> export (Megatron -> HF). The Prefect pipeline with
+# rejection sampling, RL and evaluation replaces this recipe as those stages land.
 run: $(STAMP)
 	$(BIN)/slime datasets make-tiny $(KIT)
-	$(BIN)/slime config show --config deployments/tiny-cpu.yaml
+	$(BIN)/slime convert --config $(CONFIG) --save $(RUN)/convert
+	$(BIN)/slime sft --config $(CONFIG) --load $(RUN)/convert --save $(RUN)/sft
+	$(BIN)/slime export --config $(CONFIG) --load $(RUN)/sft --output-dir $(RUN)/export
+	@echo "done: Megatron checkpoints in $(RUN)/convert and $(RUN)/sft, HF model in $(RUN)/export"
 
 test: $(STAMP)
 	$(BIN)/ruff check .
