@@ -41,6 +41,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def flag_key(flag: str) -> str:
+    """A pass-through flag as a config key: `--mem-fraction-static` / `mem-fraction-static` -> `mem_fraction_static`."""
+    return flag.strip().lstrip("-").replace("-", "_")
+
+
 def flags_to_argv(flags: Mapping[str, Any]) -> list[str]:
     """`{"mem_fraction_static": 0.7, "enable_x": True, "cuda_graph_bs": [1, 2]}` -> CLI arguments.
 

@@ -37,7 +37,7 @@ from typing import Any, Self
 import httpx
 
 from slime.engines.client import EngineClient
-from slime.engines.process import ServerProcess, find_free_port, flags_to_argv
+from slime.engines.process import ServerProcess, find_free_port, flag_key, flags_to_argv
 from slime.errors import ConfigError, EngineError, EngineHTTPError, EngineStartError
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ RESERVED_ROUTER_ARGS: dict[str, str] = {
     "worker_urls": "engines are registered by slime (SGLangRouter `worker_urls` / `add_worker`)",
     "help": "it is not a router setting",
 }
-
-
-def _normalise(key: str) -> str:
-    return key.strip().lstrip("-").replace("-", "_")
 
 
 def _norm_url(url: str) -> str:
@@ -81,7 +77,7 @@ def check_router_args(args: Mapping[str, Any]) -> None:
     flags = router_flags()
     problems: list[str] = []
     for raw in args:
-        key = _normalise(str(raw))
+        key = flag_key(str(raw))
         dashed = key.replace("_", "-")
         if key in RESERVED_ROUTER_ARGS:
             problems.append(f"--router-{dashed} cannot be passed through: {RESERVED_ROUTER_ARGS[key]}")
@@ -140,7 +136,7 @@ class SGLangRouter:
             startup_timeout_s: how long to wait for `GET /liveness` after launch.
             request_timeout_s: timeout of this class's own admin requests (workers list/add/remove).
         """
-        self.router_args = {_normalise(str(k)): v for k, v in (router_args or {}).items()}
+        self.router_args = {flag_key(str(k)): v for k, v in (router_args or {}).items()}
         check_router_args(self.router_args)
         for key, value in (("policy", policy), ("health_check_interval_secs", health_check_interval_secs),
                            ("health_failure_threshold", health_failure_threshold)):

@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Self
 
-from slime.engines.process import ServerProcess, find_free_port, flags_to_argv
+from slime.engines.process import ServerProcess, find_free_port, flag_key, flags_to_argv
 from slime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,6 @@ RESERVED_SGLANG_ARGS: dict[str, str] = {
     "config": "put SGLang flags in the `sglang:` section of the slime config (or --sglang-<flag>) instead",
     "help": "it is not a server setting",
 }
-
-
-def _normalise(key: str) -> str:
-    return key.strip().lstrip("-").replace("-", "_")
 
 
 def _flag(key: str) -> str:
@@ -95,7 +91,7 @@ def check_sglang_args(args: Mapping[str, Any]) -> None:
     version, flags = known_sglang_flags()
     problems: list[str] = []
     for raw in args:
-        key = _normalise(str(raw))
+        key = flag_key(str(raw))
         if key in RESERVED_SGLANG_ARGS:
             problems.append(f"--sglang-{key.replace('_', '-')} cannot be passed through: "
                             f"{RESERVED_SGLANG_ARGS[key]}")
@@ -117,7 +113,7 @@ def build_sglang_command(model_path: str | os.PathLike[str], host: str, port: in
     Pass-through values: True -> bare flag, False/None -> omitted, list -> the flag then every value,
     dict -> JSON, else the value as a string. Keys are validated first (`check_sglang_args`).
     """
-    args = {_normalise(str(k)): v for k, v in (sglang_args or {}).items()}
+    args = {flag_key(str(k)): v for k, v in (sglang_args or {}).items()}
     check_sglang_args(args)
     return [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
             "--host", host, "--port", str(port), *flags_to_argv(args)]
