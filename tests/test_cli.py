@@ -32,10 +32,11 @@ def test_make_tiny_builds_a_loadable_kit(tmp_path):
 
 
 def test_config_show_prints_resolved_config_and_hashes():
-    result = run("config", "show", "--config", "deployments/tiny-cpu.yaml", "--rollout-batch-size", "8",
+    # 32 prompts x 4 samples = 128, a multiple of the file's global_batch_size (64)
+    result = run("config", "show", "--config", "deployments/tiny-cpu.yaml", "--rollout-batch-size", "32",
                  "--sglang-mem-fraction-static", "0.5")
     assert result.returncode == 0, result.stderr
-    assert "rollout_batch_size: 8" in result.stdout
+    assert "rollout_batch_size: 32" in result.stdout
     assert "mem_fraction_static: 0.5" in result.stdout
     assert "#   rollout: " in result.stdout
 
