@@ -1,12 +1,12 @@
 """ServerProcess with real children: health wait, log capture, process-group stop, start failures."""
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from proc_checks import port_free, running
 
 from slime.engines.process import ServerProcess, find_free_port, flags_to_argv
 from slime.errors import EngineStartError
@@ -14,27 +14,8 @@ from slime.errors import EngineStartError
 pytestmark = pytest.mark.timeout(60)
 
 
-def _running(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
 
 
-def _port_free(port: int) -> bool:
-    """Nothing listens on `port` and a server could bind it (SO_REUSEADDR, as servers do: TIME_WAIT is fine)."""
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", port)) == 0:
-            return False
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _wait_for_file(path: Path, timeout_s: float = 10.0) -> str:
@@ -49,7 +30,7 @@ def _wait_for_file(path: Path, timeout_s: float = 10.0) -> str:
 def test_find_free_port_is_bindable():
     port = find_free_port()
     assert 1024 <= port <= 65535
-    assert _port_free(port)
+    assert port_free(port)
 
 
 def test_http_server_healthy_logged_and_stopped(tmp_path):
@@ -59,10 +40,10 @@ def test_http_server_healthy_logged_and_stopped(tmp_path):
     with ServerProcess(cmd, log_path=log, cwd=tmp_path, name="http.server") as proc:
         assert proc.alive and proc.pid is not None
         proc.wait_healthy(f"http://127.0.0.1:{port}/", timeout_s=20, interval_s=0.05)
-        assert not _port_free(port)
+        assert not port_free(port)
         pid = proc.pid
-    assert not proc.alive and not _running(pid)
-    assert _port_free(port)
+    assert not proc.alive and not running(pid)
+    assert port_free(port)
     text = log.read_text()
     assert "start: " in text and "http.server" in text  # the command line header
     assert '"GET / HTTP/1.1" 200' in text  # the child's own stderr went to the log
@@ -74,11 +55,11 @@ def test_stop_kills_grandchild(tmp_path):
     proc = ServerProcess(["sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait"], log_path=tmp_path / "sh.log")
     proc.start()
     grandchild = int(_wait_for_file(pidfile))
-    assert _running(grandchild) and grandchild != proc.pid
+    assert running(grandchild) and grandchild != proc.pid
     assert os.getpgid(grandchild) == proc.pid  # same (new) process group as the leader
     proc.stop(timeout_s=5)
     assert not proc.alive
-    assert not _running(grandchild)
+    assert not running(grandchild)
 
 
 def test_stop_kills_orphans_after_leader_exited(tmp_path):
@@ -89,9 +70,9 @@ def test_stop_kills_orphans_after_leader_exited(tmp_path):
     deadline = time.monotonic() + 5
     while proc.alive and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not proc.alive and _running(orphan)
+    assert not proc.alive and running(orphan)
     proc.stop(timeout_s=5)
-    assert not _running(orphan)
+    assert not running(orphan)
 
 
 def test_sigterm_ignored_escalates_to_sigkill(tmp_path):
@@ -103,7 +84,7 @@ def test_sigterm_ignored_escalates_to_sigkill(tmp_path):
     proc.stop(timeout_s=0.5)
     elapsed = time.monotonic() - start
     assert elapsed >= 0.5  # it waited for the grace period first
-    assert not proc.alive and not _running(child)
+    assert not proc.alive and not running(child)
     assert proc.returncode == -9
 
 
@@ -172,4 +153,4 @@ def test_unstopped_server_is_stopped_at_interpreter_exit(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True)
     leader = int(out.stdout.strip())
     child = int(pidfile.read_text())
-    assert not _running(leader) and not _running(child)
+    assert not running(leader) and not running(child)

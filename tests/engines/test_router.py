@@ -7,7 +7,6 @@ The stub answers what the router probes (`/health`, `/server_info`, `/model_info
 import asyncio
 import json
 import os
-import socket
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from proc_checks import port_free, running
 
 from slime.engines.client import EngineClient
 from slime.engines.process import find_free_port
@@ -88,25 +88,8 @@ def _start_stub(name: str, model_dir: Path) -> ThreadingHTTPServer:
     return srv
 
 
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", port)) == 0:
-            return False
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +147,8 @@ def test_router_lifecycle_and_worker_registry(router, stubs, tmp_path):
     finally:
         lonely.stop()
     pid = lonely.process.pid
-    assert not lonely.alive and not _running(pid)
-    assert _port_free(lonely.port) and _port_free(lonely.prometheus_port)
+    assert not lonely.alive and not running(pid)
+    assert port_free(lonely.port) and port_free(lonely.prometheus_port)
     assert router.alive  # the other router was not touched
 
 

@@ -174,6 +174,11 @@ class Scheduler:
         self._wake.set()
 
     @property
+    def alive(self) -> bool:
+        """The model thread is running."""
+        return self._thread.is_alive()
+
+    @property
     def paused(self) -> bool:
         return self._paused
 
@@ -330,9 +335,8 @@ class Scheduler:
         self._merge(_Batch(requests, cache, mask, tokens))
 
     def _decode(self) -> None:
-        batch = self._batch
-        live = torch.tensor([r.finish_reason is None for r in batch.requests], device=self.device)
-        batch.mask = torch.cat([batch.mask, live.long().unsqueeze(1)], dim=1)
+        batch = self._batch  # every row is running: finished rows were dropped after prefill and aborts
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
         batch.next_tokens = self._choose(batch.requests, logits)

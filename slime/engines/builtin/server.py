@@ -66,12 +66,12 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.scheduler._thread.is_alive() else 503)
+        return Response(status_code=200 if engine.scheduler.alive else 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """200 when the model thread can produce a token (immediately when it is already busy)."""
-        if not engine.scheduler._thread.is_alive():
+        if not engine.scheduler.alive:
             return Response(status_code=503)
         if engine.scheduler.busy or engine.scheduler.paused:
             return Response(status_code=200)
