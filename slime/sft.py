@@ -33,7 +33,8 @@ def run_sft(config: Config) -> dict[str, Any]:
 
     from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import iteration_dir, load_model_checkpoint, save_model_checkpoint
-    from slime.backends.megatron.train import StepSettings, build_optimizer, train_step
+    from slime.backends.megatron.optimizer import build_optimizer
+    from slime.backends.megatron.train import StepSettings, train_step
     from slime.convert import megatron_dtype
     from slime.data.sft import load_sft_samples
     from slime.export import resolve_checkpoint

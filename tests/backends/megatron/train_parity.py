@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from slime.algorithms.policy_loss import policy_loss
 from slime.algorithms.reduce import sample_mean, token_mean
 from slime.backends.megatron.bridge import export_hf_weights, init_megatron, make_bridge
-from slime.backends.megatron.train import StepSettings, build_optimizer, train_step
+from slime.backends.megatron.optimizer import build_optimizer
+from slime.backends.megatron.train import StepSettings, train_step
 from slime.types import Sample
 
 
