@@ -45,17 +45,26 @@ HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
-def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-    """A single-process torch.distributed group (gloo on CPU, NCCL on GPU) and Megatron's parallel
-    state, for conversion and single-rank work. On CPU, activates the compatibility layer first."""
+def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, rank: int = 0,
+                  world_size: int = 1, init_method: str | None = None) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state for this rank.
+
+    A single process (conversion, one-rank training) needs no arguments beyond the seed; data-parallel
+    ranks pass their `rank`, the `world_size` and a shared `init_method` (`tcp://127.0.0.1:PORT`).
+    On CPU the compatibility layer is activated first.
+    """
     if not torch.cuda.is_available():
         from slime.backends.megatron import cpu_compat
 
         cpu_compat.activate()
+    elif world_size > 1:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if world_size > 1 and init_method is None:
+        raise ConfigError("init_megatron: a world of several ranks needs a shared init_method (tcp://host:port)")
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1,
-                                timeout=dt.timedelta(minutes=10))
+        dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{find_free_port()}",
+                                rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=10))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     model_parallel_cuda_manual_seed(seed)
@@ -110,11 +119,14 @@ def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:
             "padded_vocab_size": bridge.padded_vocab_size}
 
 
-def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False) -> list[torch.nn.Module]:
+def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False,
+                use_distributed_optimizer: bool = False) -> list[torch.nn.Module]:
     """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given.
-    With `wrap_with_ddp` they are wrapped in megatron DDP (gradient buffers), as training needs."""
+    With `wrap_with_ddp` they are wrapped in megatron DDP (gradient buffers), as training needs;
+    `use_distributed_optimizer` lays the buffers out for the DistributedOptimizer (DP > 1)."""
     dtype = bridge.dtype
-    ddp_config = {"grad_reduce_in_fp32": True, "use_distributed_optimizer": False} if wrap_with_ddp else None
+    ddp_config = ({"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer}
+                  if wrap_with_ddp else None)
     models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                               use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config)
     if hf_dir is not None:
