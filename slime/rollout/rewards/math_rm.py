@@ -1,0 +1,49 @@
+"""`rm_type: math`: 1.0 when the response's final answer equals the label mathematically, else 0.0.
+
+Equivalence is decided by Hugging Face's `math-verify` (LaTeX and plain expressions, `1/2` = `0.5` =
+`\\frac{1}{2}`, sets, intervals), not by hand-written normalisation. Departure from slime, whose `math`
+grader needs a `\\boxed{}` answer: math-verify also reads a bare final answer ("19<|im_end|>"), which is
+what the tiny arithmetic kit's SFT data teaches; a boxed answer still takes priority when present.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from math_verify import parse, verify
+
+from slime.rollout.rewards.boxed import last_boxed
+
+# math-verify's time limits use SIGALRM, which only the main thread may set; elsewhere (Prefect task
+# threads, Ray actor threads) parsing runs without a limit rather than failing.
+_TIMEOUT_S = 5
+
+
+def _timeout() -> int | None:
+    return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def parse_answer(text: str) -> list[Any]:
+    """math-verify's parse of `text`: [] when no answer can be read from it."""
+    return parse(text, parsing_timeout=_timeout())
+
+
+def is_equivalent(response: str, label: Any) -> bool:
+    """Whether the final answer in `response` equals `label` (a string or number; a boxed label is unboxed)."""
+    if label is None or response is None:
+        return False
+    gold_text = str(label)
+    if "\\boxed" in gold_text or "\\fbox" in gold_text:
+        gold_text = last_boxed(gold_text) or gold_text
+    if not gold_text.strip():
+        return False
+    gold, answer = parse_answer(gold_text), parse_answer(response)
+    if not gold or not answer:
+        return False
+    return verify(gold, answer, timeout_seconds=_timeout())
+
+
+def math_reward(response: str, label: Any) -> float:
+    """1.0 for a correct final answer, 0.0 otherwise (wrong, missing or unparsable)."""
+    return 1.0 if is_equivalent(response, label) else 0.0
