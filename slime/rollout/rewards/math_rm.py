@@ -2,8 +2,9 @@
 
 Equivalence is decided by Hugging Face's `math-verify` (LaTeX and plain expressions, `1/2` = `0.5` =
 `\\frac{1}{2}`, sets, intervals), not by hand-written normalisation. Departure from slime, whose `math`
-grader needs a `\\boxed{}` answer: math-verify also reads a bare final answer ("19<|im_end|>"), which is
-what the tiny arithmetic kit's SFT data teaches; a boxed answer still takes priority when present.
+grader needs a `\\boxed{}` answer: without a box the whole response is read by math-verify, so a bare
+final answer ("19<|im_end|>", what the tiny arithmetic kit's SFT data teaches) is graded; with boxes,
+only the last box is.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def is_equivalent(response: str, label: Any) -> bool:
         gold_text = last_boxed(gold_text) or gold_text
     if not gold_text.strip():
         return False
-    gold, answer = parse_answer(gold_text), parse_answer(response)
+    # Like slime, a boxed answer is the answer (the last box when there are several); math-verify
+    # would otherwise read every box at once.
+    boxed = last_boxed(response)
+    gold, answer = parse_answer(gold_text), parse_answer(response if boxed is None else boxed)
     if not gold or not answer:
         return False
     return verify(gold, answer, timeout_seconds=_timeout())

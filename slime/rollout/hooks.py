@@ -1,0 +1,96 @@
+"""The rollout's plugins, loaded by dotted path and signature-checked when a rollout is set up.
+
+Every hook keeps slime's signature (docs/rollout.md lists them):
+
+| field | called as |
+|---|---|
+| `rollout_function_path` | `generate_rollout(args, rollout_id, data_source, evaluation=False)` |
+| `custom_generate_function_path` | `await generate(args, sample, sampling_params[, evaluation=...])` -> Sample or list[Sample] |
+| `dynamic_sampling_filter_path` | `filter(args, samples)` -> DynamicFilterOutput or bool |
+| `buffer_filter_path` | `filter(args, rollout_id, buffer, num_groups)` -> list of groups |
+| `rollout_sample_filter_path` | `filter(args, data)` (sets `sample.remove_sample`) |
+| `rollout_all_samples_process_path` | `process(args, all_samples, data_source)` |
+| `custom_rm_path` | see slime.rollout.rewards |
+
+`check_rollout_plugins(args)` runs all of these checks before any generation, so a typo in a path or a
+wrong signature fails with a `PluginError` naming the field, not halfway through a rollout.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from slime.data.source import BUFFER_FILTER_PARAMS
+from slime.errors import ConfigError
+from slime.plugins import PluginError, check_signature, load_function
+from slime.rollout.filters import FILTER_PARAMS
+from slime.rollout.generate import generate as default_generate
+from slime.rollout.generate import tokenizer_of
+from slime.rollout.rewards import check_reward_config
+
+GENERATE_PARAMS = ["args", "sample", "sampling_params"]
+ROLLOUT_FUNCTION_PARAMS = ["args", "rollout_id", "data_source"]
+SAMPLE_FILTER_PARAMS = ["args", "data"]
+ALL_SAMPLES_PROCESS_PARAMS = ["args", "all_samples", "data_source"]
+
+
+def _load(args: Any, field: str, params: list[str], *, is_async: bool) -> Callable[..., Any] | None:
+    path = getattr(args, field, None)
+    if not path:
+        return None
+    try:
+        fn = load_function(path)
+        check_signature(fn, path, params, is_async=is_async)
+    except PluginError as e:
+        raise PluginError(f"{field} (--{field.replace('_', '-')}): {e}") from e
+    return fn
+
+
+def load_generate_function(path: str) -> Callable[..., Any]:
+    """A custom generate function (`async def generate(args, sample, sampling_params)`), checked."""
+    fn = load_function(path)
+    check_signature(fn, path, GENERATE_PARAMS, is_async=True)
+    return fn
+
+
+def accepts_evaluation(fn: Callable[..., Any]) -> bool:
+    """slime passes `evaluation=` only to generate functions that declare it."""
+    try:
+        return "evaluation" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
+class RolloutPlugins:
+    """The loaded hooks of one rollout (None: not configured)."""
+
+    generate: Callable[..., Any]
+    dynamic_filter: Callable[..., Any] | None
+    sample_filter: Callable[..., Any] | None
+    all_samples_process: Callable[..., Any] | None
+
+
+def check_rollout_plugins(args: Any) -> RolloutPlugins:
+    """Load and check every rollout hook and the reward settings; raise before any generation."""
+    if hasattr(args, "as_namespace"):
+        args = args.as_namespace()
+    _load(args, "rollout_function_path", ROLLOUT_FUNCTION_PARAMS, is_async=False)
+    _load(args, "buffer_filter_path", BUFFER_FILTER_PARAMS, is_async=False)
+    custom = _load(args, "custom_generate_function_path", GENERATE_PARAMS, is_async=True)
+    if custom is None:
+        tokenizer_of(args)  # the default generate encodes prompts: fail now if there is no tokenizer
+    check_reward_config(args)
+    if getattr(args, "partial_rollout", False) and not getattr(args, "rollout_max_response_len", None):
+        raise ConfigError("partial_rollout needs rollout_max_response_len (--rollout-max-response-len): a resumed "
+                          "sample continues with the response budget it has left")
+    return RolloutPlugins(
+        generate=custom or default_generate,
+        dynamic_filter=_load(args, "dynamic_sampling_filter_path", FILTER_PARAMS, is_async=False),
+        sample_filter=_load(args, "rollout_sample_filter_path", SAMPLE_FILTER_PARAMS, is_async=False),
+        all_samples_process=_load(args, "rollout_all_samples_process_path", ALL_SAMPLES_PROCESS_PARAMS,
+                                  is_async=False),
+    )
