@@ -18,6 +18,7 @@ its own copy of the maps. Research notes: ../shared/research/megatron.md.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import importlib.util
 import logging
@@ -40,6 +41,8 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from slime.backends.megatron.attention import with_sdpa
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -71,9 +74,11 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
 
 
 def _local_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
-    """megatron-core's local (non-TE) decoder block spec, in place of mbridge's TE spec."""
-    return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
-                                      vp_stage=vp_stage)
+    """megatron-core's local (non-TE) decoder block spec, in place of mbridge's TE spec, with the
+    fused SDPA core attention (`slime.backends.megatron.attention`) instead of the unfused one."""
+    block = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    return dataclasses.replace(block, layer_specs=[with_sdpa(spec) for spec in block.layer_specs])
 
 
 def load_hf_config(hf_dir: str) -> Any:
