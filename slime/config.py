@@ -68,9 +68,14 @@ class CheckpointConfig(_Section):
     ref_load: str | None = Field(None, description="reference model checkpoint (KL, initial weights)")
     load: str | None = Field(None, description="checkpoint to resume from")
     save: str | None = Field(None, description="checkpoint directory")
-    save_interval: int | None = Field(None, ge=1, description="save every N rollouts (and at the end)")
+    save_interval: int | None = Field(None, ge=1, description="save every N rollouts (RL) or optimizer steps (SFT), "
+                                                              "and at the end")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
-    no_save_optim: bool = False
+    no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
+                                                   "(such a checkpoint cannot resume training)")
+    dist_ckpt_optim_fully_reshardable: bool = Field(
+        False, description="DistributedOptimizer state as 'fully_reshardable' (any parallel layout can load it) "
+                           "instead of 'dp_reshardable' (same TP/PP)")
 
 
 class DataConfig(_Section):
@@ -164,8 +169,25 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(1, ge=1)
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = Field(None, ge=1)
-    lr: float = Field(1e-6, gt=0)
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (after warmup)")
     clip_grad: float = Field(1.0, ge=0)
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="adam is AdamW (decoupled weight decay); sgd "
+                                                                  "has no momentum")
+    weight_decay: float = Field(0.0, ge=0, description="Megatron's default is 0.01, slime's scripts use 0.1")
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = Field(
+        "constant", description="megatron-core OptimizerParamScheduler; stepped once per optimizer step")
+    lr_warmup_iters: int = Field(0, ge=0, description="linear warmup from lr_warmup_init to lr, in optimizer steps")
+    lr_decay_iters: int | None = Field(None, ge=1, description="steps from 0 to min_lr; None: the stage's total "
+                                                               "optimizer steps")
+    lr_wsd_decay_iters: int | None = Field(None, ge=1, description="WSD: length of the final decay phase")
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_init: float = Field(0.0, ge=0, description="learning rate of the first warmup step")
+    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data-parallel ranks "
+                                                               "(megatron DistributedOptimizer)")
 
 
 class SftConfig(_Section):
@@ -174,6 +196,23 @@ class SftConfig(_Section):
     sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
     messages_key: str = "messages"
     sft_num_epoch: int = Field(1, ge=1)
+
+
+class RejectionSamplingConfig(_Section):
+    """Rejection sampling: N responses per prompt from a policy, scored; the accepted ones become SFT data."""
+
+    rs_prompt_data: str | None = Field(None, description="prompts to sample (JSONL/Parquet, any fsspec URL); "
+                                                         "None: data.prompt_data")
+    rs_policy: str | None = Field(None, description="policy to sample from: HF dir, exported HF dir or Megatron "
+                                                    "checkpoint; None: checkpoint.load, else hf_checkpoint")
+    rs_reward_threshold: float | None = Field(1.0, description="accept responses with reward >= this; None: "
+                                                               "no threshold")
+    rs_best_of_n: int | None = Field(None, ge=1, description="keep at most this many best responses per prompt")
+    rs_dedup: bool = Field(True, description="drop identical responses (same tokens) of one prompt")
+    rs_keep_truncated: bool = Field(False, description="also accept responses cut at rollout_max_response_len")
+    rs_num_engines: int = Field(1, ge=1, description="inference engines started for sampling")
+    rs_concurrency: int = Field(64, ge=1, description="generate requests in flight")
+    rs_output_name: str = Field("accepted", description="shard set name under {store}/{run_id}/rejection_sampling/")
 
 
 class ExportConfig(_Section):
@@ -230,6 +269,7 @@ class Config(BaseModel):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SftConfig = Field(default_factory=SftConfig)
+    rejection_sampling: RejectionSamplingConfig = Field(default_factory=RejectionSamplingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -597,6 +637,15 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("algorithm.tis_clip_low", f"tis_clip_low {a.tis_clip_low} must be below tis_clip {a.tis_clip}")
     if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
         fail("algorithm.advantage_estimator", f"{a.advantage_estimator} needs normalize_advantages: true")
+    if t.min_lr > t.lr:
+        fail("train.min_lr", f"min_lr {t.min_lr} is above lr {t.lr}", "train.lr")
+    if t.lr_warmup_init > t.lr:
+        fail("train.lr_warmup_init", f"lr_warmup_init {t.lr_warmup_init} is above lr {t.lr}", "train.lr")
+    if t.lr_decay_iters is not None and t.lr_warmup_iters >= t.lr_decay_iters:
+        fail("train.lr_warmup_iters", f"lr_warmup_iters {t.lr_warmup_iters} must be below lr_decay_iters "
+             f"{t.lr_decay_iters}", "train.lr_decay_iters")
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
+        fail("train.lr_decay_style", "WSD needs lr_wsd_decay_iters (length of the decay phase)")
     if config.checkpoint.save_interval and not config.checkpoint.save:
         fail("checkpoint.save_interval", "save_interval is set but save (the checkpoint directory) is not")
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
@@ -611,6 +660,11 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    typed = sorted(set(config.megatron) & set(FIELD_SECTION))
+    if typed:  # e.g. `megatron: {lr_decay_style: cosine}`: the typed field is the one the trainer reads
+        name = typed[0]
+        fail(f"megatron.{name}", f"{name} is a typed field: set it as {FIELD_SECTION[name]}.{name} "
+             f"(--{name.replace('_', '-')}), not in the megatron pass-through section")
     if config.megatron:
         unknown = sorted(set(config.megatron) - megatron_flag_names())
         if unknown:

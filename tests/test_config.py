@@ -52,11 +52,11 @@ def test_yaml_then_cli_overrides(tmp_path):
 def test_pass_through_sections():
     cfg = load_config(None, [
         "--sglang-mem-fraction-static", "0.7", "--sglang-enable-memory-saver", "--sglang-chunked-prefill-size", "4096",
-        "--router-policy", "cache_aware", "--tensor-model-parallel-size", "2", "--lr-decay-style", "cosine",
+        "--router-policy", "cache_aware", "--tensor-model-parallel-size", "2", "--weight-decay-incr-style", "cosine",
     ])
     assert cfg.sglang == {"mem_fraction_static": 0.7, "enable_memory_saver": True, "chunked_prefill_size": 4096}
     assert cfg.router == {"policy": "cache_aware"}
-    assert cfg.megatron == {"tensor_model_parallel_size": 2, "lr_decay_style": "cosine"}
+    assert cfg.megatron == {"tensor_model_parallel_size": 2, "weight_decay_incr_style": "cosine"}
     # slime's own sglang_* field is a typed field, not a pass-through
     assert load_config(None, ["--sglang-server-concurrency", "64"]).rollout.sglang_server_concurrency == 64
 

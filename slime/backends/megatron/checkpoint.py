@@ -1,31 +1,81 @@
-"""Megatron checkpoints in the artifact store: torch_dist directories committed by a manifest.
+"""Megatron checkpoints: torch_dist model and optimizer, scheduler, RNG and caller state, committed by a manifest.
 
-Layout (any fsspec-reachable local path; torch_dist itself writes to a local filesystem):
+Layout (a local path: torch_dist writes to a filesystem):
 
-    {save}/iter_{N:07d}/model/        megatron-core dist_checkpointing (torch_dist) of the model
-    {save}/iter_{N:07d}/manifest.json written last: iteration, model type, HF config, dtype, ...
+    {save}/iter_{N:07d}/model/               torch_dist (megatron-core dist_checkpointing) of the model
+    {save}/iter_{N:07d}/optimizer/           torch_dist of megatron's sharded optimizer state
+    {save}/iter_{N:07d}/training_state.json  iteration, LR scheduler state, the caller's `extra_state`
+    {save}/iter_{N:07d}/rng/rank_RRRRR.json  every random generator of each rank (`rng_state`)
+    {save}/iter_{N:07d}/manifest.json        written last: model signature, parallel layout, contents, ...
 
-A checkpoint exists only once its manifest does; `latest_checkpoint` returns the newest committed
-iteration, so a crash mid-save leaves the previous checkpoint as the newest.
+A model-only checkpoint (conversion, `--no-save-optim`) has just `model/` and the manifest. A checkpoint
+exists only once its manifest does; `latest_checkpoint` returns the newest committed iteration, so a
+crash mid-save leaves the previous checkpoint as the newest.
+
+Loading checks before it touches any tensor: the architecture and dtype recorded in the manifest must
+match the model loaded into (always), and for a full training-state resume also the parallel layout
+(TP, PP, DP, DistributedOptimizer) and the LR schedule; each refusal names the differing field.
+`load_model_checkpoint` loads weights only (conversion output, `--ref-load`, export);
+`load_checkpoint` restores the whole training state for a bit-exact resume.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from slime.errors import ConfigError, NotCommittedError
+from slime.backends.megatron.optimizer import (
+    SCHEDULER_FIELDS,
+    init_optimizer_state,
+    is_distributed_optimizer,
+    untie_adam_steps,
+)
+from slime.backends.megatron.rng_state import capture_rng_state, restore_rng_state
+from slime.errors import ConfigError, CorruptArtifactError, NotCommittedError
 from slime.storage.manifest import Manifest, commit_directory, is_committed, producer_info, read_manifest
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KIND = "checkpoint"
+TRAINING_STATE = "training_state.json"
 _ITER = re.compile(r"^iter_(\d{7})$")
+# the TransformerConfig fields that decide the shapes and meaning of the weights
+_ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "add_bias_linear",
+                 "qk_layernorm")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be loaded the way it was asked for."""
+
+
+class UncommittedCheckpointError(CheckpointError, NotCommittedError):
+    """The directory has no committed manifest (never a checkpoint, or its save did not finish)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was saved from a different model, layout or schedule than the one loading it."""
+
+
+class ModelOnlyCheckpointError(CheckpointError):
+    """A full training-state resume was asked of a checkpoint that holds the model only."""
+
+
+@dataclass
+class TrainingState:
+    """What `load_checkpoint` restored besides tensors: the iteration and the caller's `extra_state`."""
+
+    iteration: int
+    extra_state: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
 
 
 def iteration_dir(save: str, iteration: int) -> str:
@@ -44,45 +94,215 @@ def latest_checkpoint(save: str) -> str | None:
     return None
 
 
-def save_model_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
-                          metadata: dict[str, Any], config_hash: str | None = None) -> Manifest:
-    """Write the model as torch_dist under `{save}/iter_N/model` and commit the checkpoint."""
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *, optimizer: Any = None,
+                    scheduler: Any = None, extra_state: dict[str, Any] | None = None,
+                    metadata: dict[str, Any] | None = None, config_hash: str | None = None,
+                    fully_reshardable: bool = False) -> Manifest:
+    """Save under `{save}/iter_N` on every rank (a collective call) and commit it.
+
+    With `optimizer` (and `scheduler`), the full training state is saved: optimizer state (for the
+    DistributedOptimizer in the 'fully_reshardable' format when asked, else 'dp_reshardable'), scheduler,
+    RNG of every rank, `iteration` and the JSON-serialisable `extra_state`. Without, the model only.
+    """
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(save, iteration)
     if is_committed(path):
         raise ConfigError(f"{path} is already a committed checkpoint; use another --save or iteration")
-    model_dir = os.path.join(path, "model")
-    os.makedirs(model_dir, exist_ok=True)
-    state = _bare(models[0]).sharded_state_dict()
-    dist_checkpointing.save(state, model_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return read_manifest(path) if is_committed(path) else Manifest(kind=CHECKPOINT_KIND)
-    manifest = commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
-                                producer=producer_info(stage="checkpoint"),
-                                metadata={"iteration": iteration, "format": "torch_dist", **metadata})
-    logger.info("committed checkpoint %s", path)
+    extra_json = json.dumps(extra_state or {})  # fail before writing anything if it is not JSON
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # leftovers of a save that never committed
+    _barrier()
+    os.makedirs(path, exist_ok=True)
+    model = _single_chunk(models)
+    rng = capture_rng_state() if optimizer is not None else None
+    dist_checkpointing.save(model.sharded_state_dict(), _mkdir(path, "model"))
+    sharding = None
+    if optimizer is not None:
+        sharding = _sharding_type(optimizer, fully_reshardable)
+        init_optimizer_state(optimizer)  # fix 1 (optimizer.py)
+        state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False,
+                                             metadata=_sharding_metadata(sharding))
+        dist_checkpointing.save(state, _mkdir(path, "optimizer"))
+        _write_json(os.path.join(_mkdir(path, "rng"), f"rank_{rank:05d}.json"), rng)
+        if rank == 0:
+            scheduler_state = scheduler.state_dict() if scheduler is not None else None
+            _write_json(os.path.join(path, TRAINING_STATE), {"iteration": iteration, "scheduler": scheduler_state,
+                                                             "extra_state": json.loads(extra_json)})
+    _barrier()
+    if rank == 0:
+        info = {"iteration": iteration, "format": "torch_dist", "model_signature": model_signature(models),
+                "parallel": parallel_layout(models, optimizer), "training_state": optimizer is not None,
+                "optimizer_sharding": sharding, **(metadata or {})}
+        commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
+                         producer=producer_info(stage="checkpoint"), metadata=info)
+        logger.info("committed checkpoint %s (%s)", path, "training state" if optimizer is not None else "model")
+    _barrier()
+    return read_manifest(path)
+
+
+def save_model_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
+                          metadata: dict[str, Any], config_hash: str | None = None) -> Manifest:
+    """Write the model only (conversion output, `--no-save-optim`) and commit the checkpoint."""
+    return save_checkpoint(models, save, iteration, metadata=metadata, config_hash=config_hash)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def read_checkpoint_manifest(path: str) -> Manifest:
+    """The manifest of a committed checkpoint, with every listed file present at its recorded size."""
+    try:
+        manifest = read_manifest(path)
+    except NotCommittedError as exc:
+        raise UncommittedCheckpointError(f"{exc}; pass a committed iter_* directory or a --save root that "
+                                         "holds one") from None
+    if manifest.kind != CHECKPOINT_KIND:
+        raise CheckpointError(f"{path} is a committed {manifest.kind!r}, not a checkpoint")
+    for entry in manifest.files:
+        where = os.path.join(path, entry.path)
+        if not os.path.isfile(where) or os.path.getsize(where) != entry.bytes:
+            raise CorruptArtifactError(f"{where}: missing or not the {entry.bytes} bytes its manifest lists")
     return manifest
 
 
 def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
-    """Load a committed checkpoint's model weights into `models` (built with the same config)."""
-    from megatron.core import dist_checkpointing
-
-    manifest = read_manifest(path)
-    if manifest.kind != CHECKPOINT_KIND:
-        raise NotCommittedError(f"{path} is a committed {manifest.kind!r}, not a checkpoint")
-    model = _bare(models[0])
-    state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, "model"))
-    model.load_state_dict(state)
+    """Load a committed checkpoint's model weights into `models` (same architecture and dtype; any
+    parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export."""
+    manifest = read_checkpoint_manifest(path)
+    _check(manifest.metadata.get("model_signature"), model_signature(models), path)
+    _load_model(models, path)
     return manifest
 
 
-def _bare(model: torch.nn.Module) -> torch.nn.Module:
+def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, scheduler: Any = None) -> TrainingState:
+    """Restore the full training state saved by `save_checkpoint` (a collective call): weights,
+    optimizer, scheduler, this rank's RNG. Returns the iteration and the caller's `extra_state`."""
+    from megatron.core import dist_checkpointing
+
+    manifest = read_checkpoint_manifest(path)
+    meta = manifest.metadata
+    if not meta.get("training_state"):
+        raise ModelOnlyCheckpointError(
+            f"{path} holds the model only (saved with --no-save-optim, or a conversion): it cannot resume "
+            "training with its optimizer, schedule and RNG. Load it model-only (--load of a new --save "
+            "directory, or --ref-load), or resume from a checkpoint saved without --no-save-optim")
+    _check(meta.get("model_signature"), model_signature(models), path)
+    _check(meta.get("parallel"), parallel_layout(models, optimizer), path)
+    with open(os.path.join(path, TRAINING_STATE)) as f:
+        training = json.load(f)
+    if scheduler is not None:
+        _check_scheduler(training.get("scheduler"), scheduler.state_dict(), path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(path, "rng", f"rank_{rank:05d}.json")) as f:
+        rng = json.load(f)
+
+    _load_model(models, path)
+    model = _single_chunk(models)
+    init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
+    state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
+                                         metadata=_sharding_metadata(meta.get("optimizer_sharding")))
+    optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
+    untie_adam_steps(optimizer)  # fix 3
+    if scheduler is not None and training.get("scheduler") is not None:
+        scheduler.load_state_dict(training["scheduler"])
+    restore_rng_state(rng)
+    logger.info("resumed training state of %s (iteration %d)", path, training["iteration"])
+    return TrainingState(iteration=int(training["iteration"]), extra_state=training.get("extra_state") or {},
+                         manifest=manifest)
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def model_signature(models: list[torch.nn.Module]) -> dict[str, Any]:
+    """Architecture and dtype of the model: what a checkpoint must share with the model it loads into."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(models[0])
+    model = _single_chunk(models)
+    signature = {name: getattr(config, name, None) for name in _ARCHITECTURE}
+    signature["padded_vocab_size"] = getattr(model, "vocab_size", None)
+    signature["share_embeddings_and_output_weights"] = getattr(model, "share_embeddings_and_output_weights", None)
+    signature["params_dtype"] = str(config.params_dtype).removeprefix("torch.")
+    return signature
+
+
+def parallel_layout(models: list[torch.nn.Module], optimizer: Any = None) -> dict[str, Any]:
+    """How the training state is split over ranks: a full resume needs the same layout."""
+    from megatron.core import parallel_state
+
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+            "use_distributed_optimizer": optimizer is not None and is_distributed_optimizer(optimizer)}
+
+
+def _check(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> None:
+    if saved is None:  # checkpoints written before signatures were recorded
+        logger.warning("%s records no model signature: architecture not checked", path)
+        return
+    for name, value in current.items():
+        if name in saved and saved[name] != value:
+            raise CheckpointMismatchError(f"{path}: {name} is {saved[name]!r} in the checkpoint but {value!r} in the "
+                                          "model loading it; build the model with the checkpoint's configuration")
+
+
+def _check_scheduler(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> None:
+    if saved is None:
+        raise CheckpointMismatchError(f"{path} was saved without an LR scheduler; resume it without one")
+    for name, source in SCHEDULER_FIELDS.items():
+        if saved.get(name) != current.get(name):
+            raise CheckpointMismatchError(f"{path}: LR schedule {name} is {saved.get(name)!r} in the checkpoint but "
+                                          f"{current.get(name)!r} now (from {source}); resume with the same schedule")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _load_model(models: list[torch.nn.Module], path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = _single_chunk(models)
+    state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, "model"))
+    model.load_state_dict(state)
+
+
+def _sharding_type(optimizer: Any, fully_reshardable: bool) -> str | None:
+    if not is_distributed_optimizer(optimizer):
+        return None
+    return "fully_reshardable" if fully_reshardable else "dp_reshardable"
+
+
+def _sharding_metadata(sharding: str | None) -> dict[str, Any] | None:
+    # megatron's default for the DistributedOptimizer, 'fully_sharded_model_space', fails in 0.16.1
+    return {"distrib_optim_sharding_type": sharding} if sharding else None
+
+
+def _single_chunk(models: list[torch.nn.Module]) -> torch.nn.Module:
     """The model inside DDP / Float16 wrappers: checkpoints use its key space, so a checkpoint saved
     from a training (wrapped) model loads into a bare one and back."""
     from megatron.core.utils import unwrap_model
 
-    return unwrap_model(model)
+    if len(models) != 1:
+        raise ConfigError(f"checkpoints support one model chunk (no virtual pipeline stages); got {len(models)}")
+    return unwrap_model(models[0])
+
+
+def _mkdir(path: str, name: str) -> str:
+    os.makedirs(os.path.join(path, name), exist_ok=True)
+    return os.path.join(path, name)
+
+
+def _write_json(path: str, payload: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,29 +1,157 @@
-"""The Megatron optimizer (and, with the checkpoint work, its LR schedule) for DDP-wrapped model chunks.
+"""The Megatron optimizer and its LR schedule for DDP-wrapped model chunks, and what checkpoints need of them.
 
-One place builds it so that SFT, RL and checkpoint resume construct the identical optimizer.
+One function, `build_optimizer_and_scheduler`, turns the `train:` config into megatron-core's optimizer
+plus its `OptimizerParamScheduler`, so SFT, RL and checkpoint resume construct the identical pair.
+The scheduler counts optimizer steps (call `scheduler.step(1)` after each `train_step`); Megatron's own
+loop counts samples, which is the same schedule at a fixed global batch size.
+
+megatron-core 0.16.1's DistributedOptimizer cannot round-trip a torch_dist checkpoint without Apex or
+Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, measured in
+../shared/research/megatron.md, live here:
+
+1. a fresh torch Adam has no state, and `DistributedOptimizer.state_dict()` asserts on its `step`:
+   `init_optimizer_state` fills empty Adam state (zeros, step 0: what Adam's first step would create)
+   before any sharded state dict is built;
+2. `_set_main_param_and_optimizer_states` copies into leaf parameters outside `no_grad` and expects a
+   `step` in the saved tensors: replaced on each DistributedOptimizer instance (`build_optimizer`);
+3. after loading, megatron gives every parameter one shared `step` tensor, which torch Adam then
+   increments once per parameter (wrong bias correction): `untie_adam_steps` gives each its own copy.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
+from slime.config import Config, TrainConfig
+from slime.errors import ConfigError
+
 
 def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: float, weight_decay: float = 0.0,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.98, adam_eps: float = 1e-8,
-                    bf16: bool = False, optimizer: str = "adam") -> Any:
-    """Megatron's optimizer for DDP-wrapped model chunks (Adam, or plain SGD without momentum;
-    fp32 master weights under bf16)."""
+                    bf16: bool = False, optimizer: str = "adam", use_distributed_optimizer: bool = False,
+                    min_lr: float = 0.0) -> Any:
+    """Megatron's optimizer for DDP-wrapped model chunks (AdamW, or plain SGD without momentum; fp32 master
+    weights under bf16). `use_distributed_optimizer` must match the DDP buffers (`build_model`); `lr` and
+    `min_lr` also become each param group's `max_lr`/`min_lr`, which the scheduler reads."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config
 
-    config = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
+    if use_distributed_optimizer and optimizer != "adam":
+        raise ConfigError(f"train.use_distributed_optimizer needs train.optimizer adam (got {optimizer!r}): "
+                          "megatron's DistributedOptimizer checkpoints Adam state only")
+    config = OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=adam_beta1,
                              adam_beta2=adam_beta2, adam_eps=adam_eps, sgd_momentum=0.0, clip_grad=clip_grad,
-                             bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+                             bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                             use_distributed_optimizer=use_distributed_optimizer)
     megatron_optimizer = get_megatron_optimizer(config, models)
+    for inner in _leaves(megatron_optimizer):
+        if _is_distributed(inner):
+            inner._set_main_param_and_optimizer_states = types.MethodType(_set_main_param_and_states, inner)  # fix 2
     model_config = get_model_config(models[0])
     model_config.finalize_model_grads_func = finalize_model_grads  # DDP gradient sync before the step
     model_config.grad_scale_func = megatron_optimizer.scale_loss
     return megatron_optimizer
+
+
+def build_scheduler(optimizer: Any, train: TrainConfig, total_steps: int | None = None) -> Any:
+    """megatron-core's `OptimizerParamScheduler` for `train:`'s schedule, counted in optimizer steps.
+
+    `lr_decay_iters` defaults to `total_steps` (the stage's number of optimizer steps). Megatron sets the
+    warmup's first learning rate (`lr_warmup_init`) at construction, so the first step runs at it.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = train.lr_decay_iters or total_steps
+    if decay is None:
+        if train.lr_decay_style not in ("constant", "inverse-square-root"):
+            raise ConfigError(f"train.lr_decay_style {train.lr_decay_style!r} needs lr_decay_iters "
+                              "(--lr-decay-iters) when the number of training steps is not known")
+        decay = train.lr_warmup_iters + 1
+    if train.lr_warmup_iters >= decay:
+        raise ConfigError(f"train.lr_warmup_iters {train.lr_warmup_iters} must be below the decay length {decay} "
+                          "(lr_decay_iters, or the stage's total optimizer steps)")
+    if train.lr_decay_style == "WSD" and (train.lr_wsd_decay_iters or 0) > decay:
+        raise ConfigError(f"train.lr_wsd_decay_iters {train.lr_wsd_decay_iters} exceeds the decay length {decay}")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=train.lr_warmup_init, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters, lr_decay_steps=decay, lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
+        wsd_decay_steps=train.lr_wsd_decay_iters, lr_wsd_decay_style=train.lr_wsd_decay_style)
+
+
+def build_optimizer_and_scheduler(models: list[torch.nn.Module], config: Config,
+                                  total_steps: int | None = None) -> tuple[Any, Any]:
+    """The optimizer and LR schedule that `config.train` describes, for DDP-wrapped `models`
+    (built with `use_distributed_optimizer=config.train.use_distributed_optimizer`)."""
+    t = config.train
+    optimizer = build_optimizer(models, lr=t.lr, clip_grad=t.clip_grad, weight_decay=t.weight_decay,
+                                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                                bf16=bool(config.megatron.get("bf16")), optimizer=t.optimizer,
+                                use_distributed_optimizer=t.use_distributed_optimizer, min_lr=t.min_lr)
+    return optimizer, build_scheduler(optimizer, t, total_steps)
+
+
+# Scheduler fields and the config fields they come from, to name what differs on resume.
+SCHEDULER_FIELDS = {"max_lr": "train.lr", "min_lr": "train.min_lr", "lr_warmup_steps": "train.lr_warmup_iters",
+                    "lr_decay_steps": "train.lr_decay_iters (or the stage's total steps)",
+                    "lr_decay_style": "train.lr_decay_style", "start_wd": "train.weight_decay",
+                    "end_wd": "train.weight_decay"}
+
+
+def is_distributed_optimizer(optimizer: Any) -> bool:
+    return any(_is_distributed(inner) for inner in _leaves(optimizer))
+
+
+def init_optimizer_state(optimizer: Any) -> None:
+    """Fix 1: give every parameter of an Adam optimizer the state Adam's first step would create (zero
+    moments, step 0), so that sharded state dicts can be built before the first step. A no-op once
+    stepped, and numerically neutral: Adam starts from exactly these values."""
+    for inner in _leaves(optimizer):
+        torch_optimizer = inner.optimizer
+        if torch_optimizer is None or not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in torch_optimizer.param_groups:
+            for param in group["params"]:
+                state = torch_optimizer.state[param]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def untie_adam_steps(optimizer: Any) -> None:
+    """Fix 3: each parameter gets its own `step` tensor (megatron's load assigns one shared tensor)."""
+    for inner in _leaves(optimizer):
+        if inner.optimizer is None:
+            continue
+        for state in inner.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+
+
+def _set_main_param_and_states(self: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+    """Fix 2: DistributedOptimizer's setter, without autograd and tolerating a saved state without
+    `step` (the step lives in the param groups of the checkpoint's common state)."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    with torch.no_grad():
+        main_param.copy_(tensors["param"])
+        for key, value in self.optimizer.state[main_param].items():
+            if key in tensors:
+                value.copy_(tensors[key])
+
+
+def _leaves(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(optimizer, DistributedOptimizer)
