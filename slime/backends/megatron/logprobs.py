@@ -11,6 +11,9 @@ Megatron pads the vocabulary (to a multiple of 128); the padded entries are not 
 cut off before the softmax; otherwise they would take probability mass and the log-probs would
 differ from the HF model's and the engine's. Temperature divides the logits as in sampling.
 Tensor parallelism > 1 (vocab-sharded logits) is not supported yet and is refused.
+
+`compute_log_probs` runs this forward-only over micro-batches (fixed size or packed by tokens) for the
+reference model, the old policy and tests, and returns one response-aligned tensor per sample.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from slime.algorithms.policy_loss import entropy_from_logits
+from slime.backends.megatron.batching import micro_batches
+from slime.backends.megatron.forward import forward_only
 from slime.errors import ConfigError
 from slime.types import Sample
 
@@ -86,3 +91,37 @@ def response_log_probs(
     logp = torch.where(mask, logp, 0.0)
     entropy = torch.where(mask, entropy_from_logits(scoring), 0.0) if with_entropy else None
     return logp, mask, entropy
+
+
+@dataclass
+class SampleLogProbs:
+    """Per-sample response log-probs (and entropies), 1-D float32 CPU tensors of `response_length`."""
+
+    log_probs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+
+
+def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, vocab_size: int,
+                      temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
+                      use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
+                      pad_token_id: int = 0) -> SampleLogProbs:
+    """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients."""
+    parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
+                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu)
+    device = next(models[0].parameters()).device
+
+    def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, tuple]:
+        batch = pad_samples([samples[i] for i in indices], pad_token_id, device)
+        out = response_log_probs(model, batch, vocab_size=vocab_size, temperature=temperature,
+                                 with_entropy=with_entropy)
+        return indices, batch, out
+
+    log_probs: list[torch.Tensor | None] = [None] * len(samples)
+    entropies: list[torch.Tensor | None] = [None] * len(samples)
+    for indices, batch, (logp, _, entropy) in forward_only(models, parts, score):
+        for row, i in enumerate(indices):
+            n = int(batch.response_lengths[row])
+            log_probs[i] = logp[row, :n].float().cpu()
+            if entropy is not None:
+                entropies[i] = entropy[row, :n].float().cpu()
+    return SampleLogProbs(log_probs, entropies if with_entropy else None)

@@ -1,14 +1,30 @@
-"""One optimizer step of a Megatron model on a batch of samples: SFT or policy loss.
+"""One optimizer step of a Megatron model on this data-parallel rank's samples: SFT, policy or value loss.
 
-The samples are split into micro-batches of `micro_batch_size`, run through megatron-core's
-forward/backward schedule (gradients accumulate in the DDP buffers), then the Megatron optimizer
-steps with gradient clipping. Losses follow `slime.algorithms`: per-token losses on response tokens
-(loss mask applied), reduced over the whole step either per sample (mean of per-sample token means,
-slime's default) or per token (`calculate_per_token_loss`). Each micro-batch's share is scaled by the
-number of micro-batches, because the schedule divides every micro-batch loss by that number.
+The samples are split into micro-batches (`micro_batch_size`, or packed by tokens with
+`use_dynamic_batch_size`/`max_tokens_per_gpu`, see `batching`), run through megatron-core's
+forward/backward schedule (gradients accumulate in the DDP buffers and are all-reduced over the
+data-parallel group at the end), then the Megatron optimizer steps with gradient clipping.
 
-Data parallelism, dynamic batch sizes, LR schedules, value loss and KL terms come with the rest of the
-Megatron-backend issue; this module is the single-rank core they build on.
+Losses are the per-token functions of `slime.algorithms`, reduced over the whole *global* step:
+
+    policy_loss   L = R(pg * w_tis) - entropy_coef * R(H) + kl_loss_coef * R(KL(logp, ref))
+    sft_loss      L = R(-logp)
+    value_loss    L = R(clipped value error)
+
+with R the per-sample mean over the N samples of the global step (slime's default) or the per-token
+mean over its D trained tokens (`calculate_per_token_loss`; D = sum_i max(n_i, 1) as in
+`reduce.token_mean`). N and D are all-reduced over the data-parallel group, so each rank's micro-batch
+losses are its share of the global loss. Two scale factors undo what Megatron does to them: the
+schedule divides each micro-batch loss by the number of micro-batches, and DDP averages the gradients
+over data-parallel ranks; hence x num_microbatches x dp_size. Metrics are the same reductions, summed
+over micro-batches and ranks: every rank returns the global values.
+
+Policy variants follow `advantage_estimator`: gspo uses the sequence-level ratio, cispo the CISPO
+loss, every other estimator the (dual-)clipped PPO surrogate. Old log-probs are the rollout engine's
+with `use_rollout_logprobs`, else `TrainArrays.old_log_probs` when the caller recomputed them, else this
+forward's own log-probs, detached: slime's shortcut for the first step on a rollout's policy, where the
+ratio is exactly 1. TIS weights compare the trainer's old log-probs (the same fallback) with the
+rollout's.
 """
 
 from __future__ import annotations
@@ -20,107 +36,224 @@ from typing import Any
 
 import torch
 
-from slime.algorithms.policy_loss import policy_loss, sft_loss
-from slime.backends.megatron.logprobs import PaddedBatch, pad_samples, response_log_probs
-from slime.errors import ConfigError
+from slime.algorithms.kl import compute_approx_kl
+from slime.algorithms.policy_loss import (
+    cispo_loss,
+    gspo_policy_loss,
+    policy_loss,
+    sft_loss,
+    tis_weights,
+    value_loss,
+)
+from slime.algorithms.reduce import sample_mean, token_mean
+from slime.backends.megatron.batching import micro_batches
+from slime.backends.megatron.critic import response_values
+from slime.backends.megatron.forward import check_single_stage
+from slime.backends.megatron.logprobs import response_log_probs
+from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
+from slime.errors import ConfigError, DataFormatError
 from slime.types import Sample
+
+LOSS_TYPES = ("sft_loss", "policy_loss", "value_loss")
 
 
 @dataclass
 class StepSettings:
-    """What one train step needs to know besides the data."""
+    """What one train step needs to know besides the data (slime's flag names)."""
 
-    loss_type: str = "sft_loss"  # sft_loss | policy_loss
+    loss_type: str = "sft_loss"  # sft_loss | policy_loss | value_loss
     micro_batch_size: int = 1
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
     temperature: float = 1.0
+    advantage_estimator: str = "grpo"
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
+    value_clip: float = 0.2
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    entropy_coef: float = 0.0
+    use_rollout_logprobs: bool = False
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
     calculate_per_token_loss: bool = False
 
-
-def _micro_batches(samples: list[Sample], size: int, pad_token_id: int, device: torch.device) -> list[dict[str, Any]]:
-    batches = []
-    for start in range(0, len(samples), size):
-        chunk = samples[start : start + size]
-        batch = pad_samples(chunk, pad_token_id, device)
-        width = batch.max_response_length
-        loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)
-        advantages = torch.zeros(len(chunk), width)
-        old_log_probs = torch.zeros(len(chunk), width)
-        for row, sample in enumerate(chunk):
-            n = sample.response_length
-            mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-            loss_mask[row, :n] = torch.tensor(mask, dtype=torch.bool)
-            advantage = (sample.metadata or {}).get("advantage")
-            if advantage is not None:
-                advantages[row, :n] = float(advantage)
-            if sample.rollout_log_probs is not None:
-                old_log_probs[row, :n] = torch.tensor(sample.rollout_log_probs)
-        batches.append({"batch": batch, "loss_mask": loss_mask.to(device), "advantages": advantages.to(device),
-                        "old_log_probs": old_log_probs.to(device)})
-    return batches
+    @classmethod
+    def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
+        """Settings from the typed config (algorithm, train and rollout temperature); `loss_type`
+        overrides `algorithm.loss_type` (the critic trains with value_loss)."""
+        a, t = config.algorithm, config.train
+        return cls(loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
+                   use_dynamic_batch_size=t.use_dynamic_batch_size, max_tokens_per_gpu=t.max_tokens_per_gpu,
+                   temperature=config.rollout.rollout_temperature, advantage_estimator=a.advantage_estimator,
+                   eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
+                   value_clip=a.value_clip, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                   kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
+                   use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
+                   tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss)
 
 
-def _loss(settings: StepSettings, vocab_size: int, denominator: float, num_microbatches: int,
-          micro: dict[str, Any], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
+    """Refuse a step whose settings need data the caller did not provide, before any forward."""
+    if settings.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type {settings.loss_type!r} is not supported by the Megatron train step; "
+                          f"valid: {', '.join(LOSS_TYPES)}")
+    if not samples:
+        raise ConfigError("train_step needs at least one sample on every data-parallel rank")
+    arrays.check(samples)
+    if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis):
+        for sample in samples:
+            if sample.rollout_log_probs is None:
+                flag = "use_rollout_logprobs" if settings.use_rollout_logprobs else "use_tis"
+                raise DataFormatError(f"sample index={sample.index}: {flag} needs rollout_log_probs, which it lacks")
+    if settings.loss_type == "policy_loss" and settings.use_kl_loss and arrays.ref_log_probs is None:
+        raise ConfigError("use_kl_loss needs reference log-probs: pass TrainArrays.ref_log_probs "
+                          "(compute_log_probs with the reference model)")
+    if settings.loss_type == "value_loss" and arrays.returns is None:
+        raise ConfigError("value_loss needs TrainArrays.returns (advantages.compute_advantages(...).returns)")
+
+
+@dataclass
+class _Step:
+    """Constants of one step that every micro-batch loss needs."""
+
+    settings: StepSettings
+    vocab_size: int
+    num_samples: int  # global N
+    num_tokens: int  # global D
+    scale: float  # num_microbatches x dp_size
+
+    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the global per-sample or per-token mean."""
+        if self.settings.calculate_per_token_loss:
+            return token_mean(per_token, mask, num_tokens=self.num_tokens)
+        return sample_mean(per_token, mask, num_samples=self.num_samples)
+
+
+def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Total policy loss of one micro-batch and its reduced parts (metrics)."""
+    s, reduce = step.settings, step.reduce
+    train_old = micro.old_log_probs if micro.old_log_probs is not None else logp.detach()
+    old = micro.rollout_log_probs if s.use_rollout_logprobs else train_old
+    clip = dict(eps_clip=s.eps_clip, eps_clip_high=s.eps_clip_high)
+    if s.advantage_estimator == "cispo":
+        out = cispo_loss(logp, old, micro.advantages, mask, **clip)
+    elif s.advantage_estimator == "gspo":
+        out = gspo_policy_loss(logp, old, micro.advantages, mask, eps_clip_c=s.eps_clip_c, **clip)
+    else:
+        out = policy_loss(logp, old, micro.advantages, mask, eps_clip_c=s.eps_clip_c, **clip)
+    pg = out.loss
+    parts: dict[str, torch.Tensor] = {"pg_clipfrac": reduce(out.clipfrac, mask), "ppo_kl": reduce(out.ppo_kl, mask)}
+    if s.use_tis:
+        weights = tis_weights(train_old, micro.rollout_log_probs, s.tis_clip_low, s.tis_clip, mask)
+        raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
+        pg = pg * weights
+        parts["tis"] = reduce(weights, mask)
+        parts["tis_clipfrac"] = reduce((weights != raw).float(), mask)
+        parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
+    pg_loss = reduce(pg, mask)
+    entropy_loss = reduce(entropy, mask)
+    total = pg_loss - s.entropy_coef * entropy_loss if s.entropy_coef else pg_loss
+    parts.update(pg_loss=pg_loss, entropy_loss=entropy_loss)
+    if s.use_kl_loss:
+        kl_loss = reduce(compute_approx_kl(logp, micro.ref_log_probs, s.kl_loss_type), mask)
+        total = total + s.kl_loss_coef * kl_loss
+        parts["kl_loss"] = kl_loss
+    return total, parts
+
+
+def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
     """Forward one micro-batch; return its output and the closure the schedule calls for the loss."""
-    batch: PaddedBatch = micro["batch"]
-    logp, response_mask, _ = response_log_probs(model, batch, vocab_size=vocab_size, temperature=settings.temperature)
-    mask = response_mask & micro["loss_mask"]
+    micro: MicroBatch = next(data_iterator)
+    s = step.settings
+    if s.loss_type == "value_loss":
+        output, response_mask = response_values(model, micro.batch)
+        entropy = None
+    else:
+        output, response_mask, entropy = response_log_probs(model, micro.batch, vocab_size=step.vocab_size,
+                                                            temperature=s.temperature,
+                                                            with_entropy=s.loss_type == "policy_loss")
+        if entropy is not None and not s.entropy_coef:
+            entropy = entropy.detach()  # a metric only: keep it out of the graph
+    mask = response_mask & micro.loss_mask
 
-    def loss_func(logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if settings.loss_type == "sft_loss":
-            per_token = sft_loss(logp, mask)
-            metrics = {"sft_loss": per_token.detach()}
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if s.loss_type == "sft_loss":
+            total = step.reduce(sft_loss(output, mask), mask)
+            parts = {"sft_loss": total}
+        elif s.loss_type == "policy_loss":
+            total, parts = _policy_terms(step, micro, output, entropy, mask)
         else:
-            out = policy_loss(logp, micro["old_log_probs"], micro["advantages"], mask, eps_clip=settings.eps_clip,
-                              eps_clip_high=settings.eps_clip_high, eps_clip_c=settings.eps_clip_c)
-            per_token, metrics = out.loss, {"pg_clipfrac": out.clipfrac.detach(), "ppo_kl": out.ppo_kl.detach()}
-        weights = mask.float()
-        if not settings.calculate_per_token_loss:  # each sample's tokens weigh 1 / its token count
-            weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1)
-        # sum of this micro-batch's share of the step loss; x num_microbatches undoes the schedule's division
-        loss = (per_token * weights).sum() / denominator * num_microbatches
-        reported = {name: ((value * weights).sum() / denominator).detach() for name, value in metrics.items()}
-        return loss, reported
+            old = micro.old_values if micro.old_values is not None else output.detach()
+            out = value_loss(output, old, micro.returns, mask, s.value_clip)
+            total = step.reduce(out.loss, mask)
+            parts = {"value_loss": total, "value_clipfrac": step.reduce(out.clipfrac, mask)}
+        reported = {name: value.detach() for name, value in parts.items()}
+        reported["loss"] = total.detach()
+        return total * step.scale, reported
 
-    return logp, loss_func
+    return output, loss_func
+
+
+def _global_counts(samples: list[Sample], device: torch.device) -> tuple[int, int]:
+    """(N, D) of the global step: samples, and sum_i max(trained tokens_i, 1), summed over DP ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    counts = torch.tensor([len(samples), sum(max(s.effective_response_length, 1) for s in samples)],
+                          dtype=torch.float64, device=device)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    return int(counts[0]), int(counts[1])
+
+
+def _sum_over_ranks(reduced: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:
+    """Sum each metric over micro-batches and data-parallel ranks (each part is already a global share)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    names = sorted(reduced[0]) if reduced else []
+    totals = torch.tensor([float(sum(r[name] for r in reduced)) for name in names], dtype=torch.float64,
+                          device=device)
+    if names and parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return dict(zip(names, totals.tolist(), strict=True))
 
 
 def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Sample], settings: StepSettings, *,
-               vocab_size: int, pad_token_id: int = 0) -> dict[str, float]:
-    """Accumulate gradients over all samples and take one optimizer step; returns step metrics."""
+               vocab_size: int, pad_token_id: int = 0, arrays: TrainArrays | None = None) -> dict[str, float]:
+    """Accumulate gradients over this rank's `samples` (its share of the global batch) and take one
+    optimizer step; returns global step metrics (loss parts, clip fractions, grad_norm, lr)."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if settings.loss_type not in ("sft_loss", "policy_loss"):
-        raise ConfigError(f"loss_type {settings.loss_type!r} is not supported by the train step yet")
-    if not samples:
-        raise ConfigError("train_step needs at least one sample")
+    arrays = arrays or TrainArrays()
+    _check_inputs(samples, settings, arrays)
+    check_single_stage()
     device = next(models[0].parameters()).device
-    micro = _micro_batches(samples, settings.micro_batch_size, pad_token_id, device)
-    if settings.calculate_per_token_loss:
-        denominator = float(max(1, sum(int(m["loss_mask"].sum()) for m in micro)))
-    else:
-        denominator = float(len(samples))
+    parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
+                          use_dynamic_batch_size=settings.use_dynamic_batch_size,
+                          max_tokens_per_gpu=settings.max_tokens_per_gpu)
+    micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device)
+             for indices in parts]
+    num_samples, num_tokens = _global_counts(samples, device)
+    step = _Step(settings, vocab_size, num_samples, num_tokens,
+                 scale=float(len(micro) * parallel_state.get_data_parallel_world_size()))
     for model in models:
         model.train()
         model.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_step = partial(_forward_step, settings, vocab_size, denominator, len(micro))
-    width = max(m["batch"].tokens.shape[1] for m in micro)
     reduced = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=models, num_microbatches=len(micro),
-        seq_length=width, micro_batch_size=settings.micro_batch_size, forward_only=False)
+        forward_step_func=partial(_forward_step, step), data_iterator=iter(micro), model=models,
+        num_microbatches=len(micro), seq_length=max(m.batch.tokens.shape[1] for m in micro),
+        micro_batch_size=max(len(m.indices) for m in micro), forward_only=False)
     updated, grad_norm, _ = optimizer.step()
-    metrics: dict[str, float] = {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                                 "update_successful": float(bool(updated))}
-    for name in reduced[0] if reduced else []:
-        metrics[name] = float(sum(r[name] for r in reduced))
-    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    metrics = _sum_over_ranks(reduced, device)
+    metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+                   update_successful=float(bool(updated)), lr=optimizer.param_groups[0]["lr"],
+                   num_microbatches=float(len(micro)))
     return metrics
-
-
-def _forward_step(settings: StepSettings, vocab_size: int, denominator: float, num_microbatches: int,
-                  data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    return _loss(settings, vocab_size, denominator, num_microbatches, next(data_iterator), model)

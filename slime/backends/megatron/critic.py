@@ -1,0 +1,84 @@
+"""The PPO critic: the policy's GPTModel with its vocabulary head swapped for a 1-output value head.
+
+slime builds the critic the same way (`LinearForLastLayer(hidden, 1)` as `output_layer` on the
+post-process stage, `slime/backends/megatron_utils/model_provider.py`): the transformer starts from the
+same HF weights, the head starts fresh. The swap happens in mbridge's post-model-creation callback,
+before megatron DDP allocates its gradient buffers; mbridge's `load_weights` already skips the HF
+`lm_head` for a head of one output row, so the HF checkpoint loads unchanged. The head is not tied to
+the input embedding, even for models whose LM head is.
+
+The value of response token t is read where its log-prob is: at the hidden state of the token before
+it (`logprobs.response_positions`), i.e. V(s_t) with s_t the context that produced token t.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slime.backends.megatron.batching import micro_batches
+from slime.backends.megatron.forward import forward_only
+from slime.backends.megatron.logprobs import PaddedBatch, pad_samples, response_positions
+from slime.types import Sample
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden -> 1 linear head, called the way GPTModel calls its output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, 1, bias=False, dtype=dtype)
+        self.sequence_parallel = False  # GPTModel reads it in inference mode
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return super().forward(hidden_states), None
+
+
+def _attach_value_head(model: torch.nn.Module, *, post_process: bool, **_: Any) -> None:
+    """mbridge post-model-creation callback: the last stage's LM head becomes a value head."""
+    if not post_process:
+        return
+    model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype)
+    model.share_embeddings_and_output_weights = False
+
+
+def build_critic(bridge: Any, hf_dir: str | None = None) -> list[torch.nn.Module]:
+    """DDP-wrapped critic chunks for `bridge`'s architecture, transformer loaded from `hf_dir` if given."""
+    dtype = bridge.dtype
+    models = bridge.get_model(wrap_with_ddp=True, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                              use_cpu_initialization=not torch.cuda.is_available(),
+                              ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": False},
+                              post_model_creation_callbacks=[_attach_value_head])
+    if hf_dir is not None:
+        bridge.load_weights(models, hf_dir)
+    return models
+
+
+def response_values(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic values `[B, R_max]` float32 of the response tokens (0 where masked) and the mask."""
+    seq = batch.tokens.shape[1]
+    position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
+    out = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, 1]
+    positions, mask = response_positions(batch)
+    values = out[..., 0].float().gather(1, positions)
+    return torch.where(mask, values, 0.0), mask
+
+
+def compute_values(models: list[torch.nn.Module], samples: list[Sample], *, micro_batch_size: int = 1,
+                   use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
+                   pad_token_id: int = 0) -> list[torch.Tensor]:
+    """Forward-only critic values per sample (1-D float32 CPU tensors of `response_length`)."""
+    parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
+                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu)
+    device = next(models[0].parameters()).device
+
+    def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, torch.Tensor]:
+        batch = pad_samples([samples[i] for i in indices], pad_token_id, device)
+        return indices, batch, response_values(model, batch)[0]
+
+    values: list[torch.Tensor | None] = [None] * len(samples)
+    for indices, batch, rows in forward_only(models, parts, score):
+        for row, i in enumerate(indices):
+            values[i] = rows[row, : int(batch.response_lengths[row])].cpu()
+    return values

@@ -1,0 +1,114 @@
+"""The per-sample arrays a train step consumes, and their assembly into padded micro-batch tensors.
+
+What the rollout produced lives on `Sample` (tokens, loss mask, rollout log-probs, a scalar advantage
+in `metadata["advantage"]`) and is what rollout shards store. What the trainer computes between rollout
+and step (reference and old-policy log-probs, critic values, per-token advantages and returns; slime
+keeps them in its `rollout_data` dict) is recomputed from the shard on every run, so it travels beside
+the samples in `TrainArrays` rather than on `Sample`: the shard schema stays unchanged.
+
+Every array entry is response-aligned: one value per response token (`Sample.response_length`), given
+as a list, a 1-D tensor, or, for advantages only, a scalar broadcast to the sample's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from slime.backends.megatron.logprobs import PaddedBatch, pad_samples
+from slime.errors import DataFormatError
+from slime.types import Sample
+
+PerSample = Sequence[float] | torch.Tensor
+
+
+@dataclass
+class TrainArrays:
+    """Trainer-computed per-sample arrays, each a list aligned with the step's samples (or None)."""
+
+    advantages: list[float | PerSample] | None = None  # None: Sample.metadata["advantage"]
+    returns: list[PerSample] | None = None  # value-loss targets (ppo)
+    old_log_probs: list[PerSample] | None = None  # behaviour policy, recomputed by the trainer
+    ref_log_probs: list[PerSample] | None = None  # reference model, for the KL loss
+    old_values: list[PerSample] | None = None  # critic values when the advantages were computed
+
+    def check(self, samples: list[Sample]) -> None:
+        """Every given array has one entry per sample and one value per response token."""
+        for f in fields(self):
+            column = getattr(self, f.name)
+            if column is None:
+                continue
+            if len(column) != len(samples):
+                raise DataFormatError(f"TrainArrays.{f.name} has {len(column)} entries for {len(samples)} samples")
+            for sample, value in zip(samples, column, strict=True):
+                if f.name == "advantages" and isinstance(value, int | float):
+                    continue
+                if len(value) != sample.response_length:
+                    raise DataFormatError(f"sample index={sample.index}: TrainArrays.{f.name} has {len(value)} "
+                                          f"values but response_length={sample.response_length}")
+
+
+@dataclass
+class MicroBatch:
+    """Padded `[b, R]` tensors (R = longest response in the micro-batch) for a subset of the samples."""
+
+    indices: list[int]  # positions of its samples in the step's sample list
+    batch: PaddedBatch
+    loss_mask: torch.Tensor  # bool: response token and Sample.loss_mask
+    advantages: torch.Tensor
+    rollout_log_probs: torch.Tensor | None
+    old_log_probs: torch.Tensor | None
+    ref_log_probs: torch.Tensor | None
+    returns: torch.Tensor | None
+    old_values: torch.Tensor | None
+
+
+def _rows(values: list, width: int, device: torch.device) -> torch.Tensor:
+    """Right-pad response-aligned entries (scalars broadcast over the row's `lengths`) to `[b, width]`."""
+    out = torch.zeros(len(values), width, dtype=torch.float32)
+    for row, (value, n) in enumerate(values):
+        if isinstance(value, int | float):
+            out[row, :n] = float(value)
+        elif n:
+            out[row, :n] = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+    return out.to(device)
+
+
+def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainArrays, *, pad_token_id: int,
+                      device: torch.device) -> MicroBatch:
+    """The tensors of micro-batch `indices`; arrays must have passed `TrainArrays.check`."""
+    chunk = [samples[i] for i in indices]
+    batch = pad_samples(chunk, pad_token_id, device)
+    width = batch.max_response_length
+    lengths = [s.response_length for s in chunk]
+    loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)
+    for row, sample in enumerate(chunk):
+        if sample.loss_mask is not None:
+            loss_mask[row, : sample.response_length] = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        else:
+            loss_mask[row, : sample.response_length] = True
+
+    def column(name: str) -> torch.Tensor | None:
+        values = getattr(arrays, name)
+        return None if values is None else _rows([(values[i], n) for i, n in zip(indices, lengths, strict=True)],
+                                                 width, device)
+
+    advantages = column("advantages")
+    if advantages is None:
+        advantages = _rows([(float((s.metadata or {}).get("advantage", 0.0)), s.response_length) for s in chunk],
+                           width, device)
+    rollout = None
+    if all(s.rollout_log_probs is not None for s in chunk):
+        rollout = _rows([(s.rollout_log_probs, s.response_length) for s in chunk], width, device)
+    return MicroBatch(indices=list(indices), batch=batch, loss_mask=loss_mask.to(device), advantages=advantages,
+                      rollout_log_probs=rollout, old_log_probs=column("old_log_probs"),
+                      ref_log_probs=column("ref_log_probs"), returns=column("returns"),
+                      old_values=column("old_values"))
+
+
+def split_rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """`[b, R]` padded rows back to per-sample 1-D tensors of their response lengths (on CPU)."""
+    values = values.detach().float().cpu()
+    return [values[row, : int(n)].clone() for row, n in enumerate(lengths.tolist())]
