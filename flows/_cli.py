@@ -1,0 +1,64 @@
+"""`python -m flows.<stage|pipeline> --config FILE [--store URL] [--run-id ID] [--flag value ...]`.
+
+Runs a flow in this process (ephemeral Prefect API unless PREFECT_API_URL is set), prints its JSON
+result, and says where the artifacts are and how to look at the run in the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from prefect import Flow
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+from slime.errors import SlimeError
+
+DEFAULT_CONFIG = "deployments/tiny-cpu.yaml"
+
+
+def parse(prog: str, description: str, argv: list[str] | None, takes_model: bool) -> dict[str, Any]:
+    """Flow parameters from the command line; unknown `--flag value` pairs become config overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+                                     epilog="Any config field can be given as --flag value (slime's flag names).")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--store", help="artifact store root (default: run.store of the config)")
+    parser.add_argument("--run-id", help="run directory under the store; reuse it to resume (default: run.run_id)")
+    if takes_model:
+        parser.add_argument("--model", help="checkpoint to start from (default: the run's newest upstream one)")
+    args, overrides = parser.parse_known_args(argv)
+    params = {"config": args.config, "overrides": overrides, "store": args.store, "run_id": args.run_id}
+    if takes_model:
+        params["model"] = args.model
+    return params
+
+
+def ui_hint() -> str:
+    """How to see this run in the Prefect UI."""
+    api = PREFECT_API_URL.value()
+    if api:
+        return f"the run is recorded by the Prefect server at {api} (UI: {api.removesuffix('/api')})"
+    home = PREFECT_HOME.value()
+    return (f"the run is recorded in {home}/prefect.db; to browse it: PREFECT_HOME={home} "
+            ".venv/bin/prefect server start --host 127.0.0.1 --port 4200, then open http://127.0.0.1:4200/runs")
+
+
+def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
+         describe: Callable[[Any], str] | None = None) -> int:
+    """Run `flow` with parameters from `argv`; print its result (and `describe(result)`); 2 on a slime error."""
+    params = parse(f"python -m flows.{flow.fn.__module__.rsplit('.', 1)[-1]}", flow.description or flow.name, argv,
+                   takes_model)
+    try:
+        result = flow(**params)
+    except SlimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print(ui_hint(), file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1, sort_keys=True))
+    if describe is not None:
+        print(describe(result))
+    print(ui_hint())
+    return 0

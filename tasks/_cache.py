@@ -1,0 +1,174 @@
+"""Stage caching: what a stage's cache key is made of, and where its results are persisted.
+
+DESIGN.md §6: a stage whose outputs are committed is never recomputed for the same inputs. The key
+of a stage task is the hash of
+
+* the config fields the stage reads (not the whole config: an RL knob must not re-run SFT),
+* every input artifact's content: the manifest hash of a committed artifact, else a fingerprint of
+  the files (sha256 of each file up to 64 MiB, size and mtime of larger ones),
+* the output location (`{store}/{run_id}/{stage}/...`: a new run id is a new run),
+* the code version: slime's version, the source of the slime stage module and of the task.
+
+Prefect's default policy hashes the run id and every raw input (a pydantic config included), so it
+never reuses across runs; `StageCachePolicy` replaces it. A cached result is only reused while the
+artifacts it names are intact: if one is gone or fails its checksums, the key moves on to a
+successor key (`superseded_key`), so the stage runs again and its new result is stored there.
+Results are JSON (URIs, hashes, small metric dicts), never pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import TASK_SOURCE, CachePolicy
+from prefect.context import TaskRunContext
+from prefect.filesystems import RemoteFileSystem
+from prefect.results import ResultStore
+
+import slime
+from slime.config import Config, stable_hash
+from slime.data.prompts import parse_data_path
+from slime.errors import NotCommittedError, StorageError
+from slime.storage import is_committed, manifest_hash, read_manifest
+from slime.storage.fs import join_uri, normalize_uri, open_fs
+from slime.storage.manifest import verify_files
+
+logger = logging.getLogger(__name__)
+
+RESULTS_DIR = ".prefect-results"  # under the store root; a leading dot can never be a run id
+CONTENT_HASH_LIMIT = 64 * 1024**2  # larger uncommitted files are fingerprinted by size and mtime
+MAX_SUPERSEDED = 64
+
+
+def config_fingerprint(config: Config, fields: tuple[str, ...]) -> str:
+    """Hash of the selected config values: `section` for a whole section, `section.field` for one field."""
+    dump = config.model_dump(mode="json")
+    payload = {}
+    for selector in fields:
+        section, _, name = selector.partition(".")
+        payload[selector] = dump[section][name] if name else dump[section]
+    return stable_hash(payload)
+
+
+def artifact_fingerprint(uri: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Content identity of an input: `manifest:<hash>` when committed, else `files:<hash>` of its files.
+
+    A `path@[a:b]` row slice is stripped here (the slice itself is part of the URI, which the key
+    holds too). Raises NotCommittedError when nothing is at `uri`.
+    """
+    path, _ = parse_data_path(uri)
+    if is_committed(path, storage_options):
+        return f"manifest:{manifest_hash(path, storage_options)}"
+    fs, root = open_fs(path, storage_options)
+    if not fs.exists(root):
+        raise NotCommittedError(f"stage input {uri} does not exist")
+    digest = hashlib.sha256()
+    for name, info in sorted(fs.find(root, detail=True).items()):
+        digest.update(f"{name[len(root):]}\0{info['size']}\0".encode())
+        if info["size"] <= CONTENT_HASH_LIMIT:
+            digest.update(hashlib.sha256(fs.cat_file(name)).digest())
+        else:
+            digest.update(str(info.get("mtime", info.get("LastModified", ""))).encode())
+    return f"files:{digest.hexdigest()}"
+
+
+def code_version(modules: tuple[str, ...]) -> dict[str, str]:
+    """slime's version and the sha256 of each named module's source file."""
+    version = {"slime": slime.__version__}
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"cache key: module {module!r} not found")
+        version[module] = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+    return version
+
+
+def stage_cache_key(config: Config, config_fields: tuple[str, ...], inputs: dict[str, str], output: str,
+                    code_modules: tuple[str, ...], task_source: str | None = None) -> str:
+    """The base cache key of one stage run (before any superseded-result hop)."""
+    options = config.run.storage_options
+    return stable_hash({
+        "config": config_fingerprint(config, config_fields),
+        "inputs": {role: [uri, artifact_fingerprint(uri, options)] for role, uri in sorted(inputs.items())},
+        "output": output,
+        "code": code_version(code_modules),
+        "task_source": task_source,
+    })
+
+
+def superseded_key(key: str) -> str:
+    """The key a stage's result moves to when the result stored under `key` is no longer valid."""
+    return stable_hash({"superseded": key})
+
+
+def artifact_problems(result: Any, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Why a stored stage result can no longer be reused ([] when every artifact it names is intact)."""
+    if not isinstance(result, dict) or not isinstance(result.get("artifacts"), dict):
+        return [f"not a stage result: {type(result).__name__}"]
+    problems = []
+    for name, artifact in result["artifacts"].items():
+        uri = artifact["uri"]
+        try:
+            current = manifest_hash(uri, storage_options)
+        except NotCommittedError:
+            problems.append(f"{name} {uri}: manifest missing")
+            continue
+        if current != artifact["manifest_hash"]:
+            problems.append(f"{name} {uri}: manifest changed since the result was stored")
+            continue
+        try:
+            problems += verify_files(uri, read_manifest(uri, storage_options), storage_options)
+        except StorageError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def first_valid_key(store: ResultStore, key: str, storage_options: dict[str, Any] | None = None) -> str:
+    """`key` if nothing is stored under it or its result is intact; else the first such successor key."""
+    for _ in range(MAX_SUPERSEDED):
+        if not store.exists(key):
+            return key
+        try:
+            problems = artifact_problems(store.read(key).result, storage_options)
+        except Exception as exc:  # an unreadable record is as stale as a broken artifact
+            problems = [f"stored result unreadable: {exc}"]
+        if not problems:
+            return key
+        logger.warning("cached result %s is stale (%s); the stage runs again", key[:12], "; ".join(problems[:3]))
+        key = superseded_key(key)
+    raise StorageError(f"more than {MAX_SUPERSEDED} superseded results for one stage; clear {RESULTS_DIR}")
+
+
+@dataclass
+class StageCachePolicy(CachePolicy):
+    """Cache policy of a stage task `fn(config, run_id, inputs, output)` (see the module docstring)."""
+
+    config_fields: tuple[str, ...] = ()
+    code_modules: tuple[str, ...] = ()
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        config: Config = inputs["config"]
+        base = stage_cache_key(config, self.config_fields, inputs["inputs"], inputs["output"], self.code_modules,
+                               task_source=TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters))
+        return first_valid_key(task_ctx.result_store, base, config.run.storage_options)
+
+
+def result_storage(store: str, storage_options: dict[str, Any] | None = None) -> Path | str:
+    """Where stage results are persisted: `{store}/.prefect-results`.
+
+    A local store gives a path (Prefect makes a LocalFileSystem of it). A remote store (s3://...)
+    gives the slug of a RemoteFileSystem block saved for it (an unsaved block instance is refused by
+    Prefect), so a worker on another machine reads the same results. Needs the Prefect API.
+    """
+    root = normalize_uri(store)
+    if "://" not in root:
+        return Path(root) / RESULTS_DIR
+    name = f"slime-results-{hashlib.sha256(root.encode()).hexdigest()[:12]}"
+    RemoteFileSystem(basepath=join_uri(root, RESULTS_DIR), settings=storage_options or {}).save(name, overwrite=True)
+    return f"remote-file-system/{name}"
