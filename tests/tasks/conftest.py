@@ -1,0 +1,19 @@
+"""Prefect settings for task tests: a private PREFECT_HOME, no telemetry (set before prefect is imported)."""
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="slime-test-prefect-home-"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture(scope="module")
+def kit_config(tiny_kit):
+    """deployments/tiny-cpu.yaml pointed at the session's tiny kit, with a one-step SFT."""
+    from slime.config import load_config
+
+    return load_config("deployments/tiny-cpu.yaml", [
+        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1"])
