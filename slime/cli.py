@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert": ("slime.convert.run_convert", "HF checkpoint -> Megatron torch_dist (--hf-checkpoint, --save)"),
         "sft": ("slime.sft.run_sft", "supervised fine-tuning on chat data (--sft-data, --hf-checkpoint, --save)"),
         "export": ("slime.export.run_export", "Megatron checkpoint -> HF safetensors (--load, --output-dir)"),
+        "rejection-sample": ("slime.rejection_sampling.run_rejection_sampling", "sample N responses per prompt, "
+                             "score them, keep the accepted ones as an SFT shard set (--rs-policy, --rs-reward-threshold, "
+                             "--rs-best-of-n)"),
     }
     for name, (run, description) in stages.items():
         stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "

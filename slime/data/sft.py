@@ -13,6 +13,7 @@ from typing import Any
 
 from slime.data.prompts import read_records
 from slime.errors import DataFormatError
+from slime.storage import ShardSet, is_committed
 from slime.types import Sample
 
 
@@ -37,10 +38,13 @@ def conversation_sample(messages: list[dict[str, Any]], tokenizer: Any, *, index
 
 def load_sft_samples(path: str, tokenizer: Any, *, messages_key: str = "messages", tool_key: str | None = "tools",
                      max_length: int | None = None, storage_options: dict | None = None) -> list[Sample]:
-    """Read a JSONL/Parquet file of conversations (any fsspec URL, `path@[a:b]` slices) into samples.
+    """Read a JSONL/Parquet file of conversations (any fsspec URL, `path@[a:b]` slices) into samples,
+    or the samples of a committed SFT shard set (e.g. the output of `slime rejection-sample`).
 
     Conversations longer than `max_length` tokens are an error naming the line, not silently cut.
     """
+    if is_committed(path, storage_options):
+        return load_sft_shard_set(path, max_length=max_length, storage_options=storage_options)
     samples = []
     for number, record in read_records(path, storage_options):
         where = f"{path.split('@[')[0]}:{number}"
@@ -55,4 +59,20 @@ def load_sft_samples(path: str, tokenizer: Any, *, messages_key: str = "messages
         samples.append(sample)
     if not samples:
         raise DataFormatError(f"{path}: no conversations")
+    return samples
+
+
+def load_sft_shard_set(uri: str, *, max_length: int | None = None,
+                       storage_options: dict | None = None) -> list[Sample]:
+    """Samples of a committed shard set, checked to be trainable: tokens, a response and a loss mask over it."""
+    samples = ShardSet.open(uri, storage_options).read_samples()
+    for row, sample in enumerate(samples):
+        where = f"{uri} row {row} (sample index {sample.index})"
+        if sample.response_length <= 0 or sample.loss_mask is None or not any(sample.loss_mask):
+            raise DataFormatError(f"{where}: no response tokens with loss_mask 1 to train on")
+        sample.validate()
+        if max_length is not None and len(sample.tokens) > max_length:
+            raise DataFormatError(f"{where}: {len(sample.tokens)} tokens, more than {max_length}")
+    if not samples:
+        raise DataFormatError(f"{uri}: the shard set holds no samples")
     return samples
