@@ -17,7 +17,6 @@ import weakref
 from typing import Any
 
 from slime.engines.client import EngineClient
-from slime.engines.router import broadcast_to_workers
 from slime.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +74,14 @@ async def running_requests(client: EngineClient, urls: list[str]) -> dict[str, i
     return {u: num_requests(load) for u, load in zip(urls, loads, strict=True)}
 
 
-async def abort_all(client: EngineClient, urls: list[str]) -> None:
-    """`POST /abort_request {"abort_all": true}` on every worker; raises if any worker refused."""
-    await broadcast_to_workers(client, urls, "/abort_request", {"abort_all": True})
+async def abort_all(client: EngineClient, urls: list[str]) -> dict[str, BaseException]:
+    """`POST /abort_request {"abort_all": true}` on every worker at once; {url: error} of those that
+    could not be reached (a dead engine stays listed at the router, marked unhealthy)."""
+    results = await asyncio.gather(*(client.post(f"{u}/abort_request", {"abort_all": True}) for u in urls),
+                                   return_exceptions=True)
+    failed = {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)}
+    for u, exc in failed.items():
+        if not isinstance(exc, EngineError):
+            raise exc
+        logger.warning("abort_request to %s failed: %s", u, exc)
+    return failed

@@ -118,40 +118,53 @@ def first_error_of(group: list[Any]) -> str:
 
 
 async def drain(state: GenerateState, pending: set[asyncio.Task], urls: list[str]) -> list[list[Any]]:
-    """Abort every worker until all `pending` group tasks have returned and no worker runs a request.
+    """Abort every worker until all `pending` group tasks have returned and no worker holds a request.
 
     Returns the groups those tasks produced. Aborting is repeated because a task may still send a
-    request after an abort (a multi-turn generate function between turns).
+    request after an abort (a multi-turn generate function between turns). A worker that cannot be
+    reached (a dead engine the router still lists) is left out; if none can be reached, or work is
+    still running after `IDLE_TIMEOUT_S`, RolloutEngineError is raised.
     """
     state.aborted = True
     client = engine_client()
+    live = list(urls)
     groups: list[list[Any]] = []
     deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while pending:
-        await abort_all(client, urls)
-        done, pending = await asyncio.wait(pending, timeout=0.5)
-        groups += [task.result() for task in done]
-        if pending and time.monotonic() > deadline:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            raise RolloutEngineError(f"{len(pending)} group(s) still running {IDLE_TIMEOUT_S:.0f} s after "
-                                     f"aborting workers {urls}; cancelled them")
-    while True:
-        busy = {u: n for u, n in (await running_requests(client, urls)).items() if n}
-        if not busy:
-            return groups
-        if time.monotonic() > deadline:
-            raise RolloutEngineError(f"workers still hold requests after abort: {busy}")
-        await abort_all(client, urls)
-        await asyncio.sleep(0.1)
+
+    async def abort() -> None:
+        nonlocal live
+        failed = await abort_all(client, live)
+        live = [u for u in live if u not in failed]
+        if not live:
+            raise RolloutEngineError(f"abort_request failed on every worker: {failed}")
+
+    try:
+        while pending:
+            await abort()
+            done, pending = await asyncio.wait(pending, timeout=0.5)
+            groups += [task.result() for task in done]
+            if pending and time.monotonic() > deadline:
+                raise RolloutEngineError(f"{len(pending)} group(s) still running {IDLE_TIMEOUT_S:.0f} s after "
+                                         f"aborting workers {live}")
+        while True:
+            busy = {u: n for u, n in (await running_requests(client, live)).items() if n}
+            if not busy:
+                return groups
+            if time.monotonic() > deadline:
+                raise RolloutEngineError(f"workers still hold requests {IDLE_TIMEOUT_S:.0f} s after abort: {busy}")
+            await abort()
+            await asyncio.sleep(0.1)
+    except BaseException:
+        await cancel(state, pending, [])
+        raise
 
 
 async def cancel(state: GenerateState, pending: set[asyncio.Task], urls: list[str]) -> None:
     """On an error: ask the workers to drop their requests (best effort), then cancel the tasks."""
     state.aborted = True
-    with contextlib.suppress(Exception):
-        await abort_all(engine_client(), urls)
+    if urls:
+        with contextlib.suppress(Exception):
+            await abort_all(engine_client(), urls)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

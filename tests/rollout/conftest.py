@@ -1,0 +1,60 @@
+"""Rollout test setup: two built-in engines behind the real sglang-router, one cluster per test module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from slime.config import FIELD_SECTION, Config
+from slime.engines.builtin.launcher import start_builtin_engine
+from slime.engines.router import SGLangRouter
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_kit, tmp_path_factory):
+    """(router, [(process, url), (process, url)]): stopped, and checked stopped, after the module."""
+    logs = tmp_path_factory.mktemp("rollout-cluster")
+    engines = []
+    router = None
+    try:
+        for i in range(2):
+            engines.append(start_builtin_engine(str(tiny_kit.model_dir), log_path=logs / f"engine{i}.log",
+                                                random_seed=i))
+        router = SGLangRouter(worker_urls=[url for _, url in engines], health_check_interval_secs=1,
+                              log_path=logs / "router.log").start()
+        router.wait_workers_healthy(2, timeout_s=60)
+        yield router, engines
+    finally:
+        if router is not None:
+            router.stop()
+        for process, _ in engines:
+            process.stop()
+    assert not any(process.alive for process, _ in engines)
+    assert router is None or not router.alive
+
+
+def engine_requests(engines) -> list[int]:
+    """Requests each engine holds right now (running + waiting), from its own /get_load."""
+    with httpx.Client(timeout=30, trust_env=False) as http:
+        return [http.get(f"{url}/get_load").json()[0]["num_reqs"] for _, url in engines]
+
+
+@pytest.fixture
+def make_args(tiny_kit, cluster):
+    """`make_args(**flat_fields)`: slime's flat `args` for a rollout against the module's cluster."""
+    router, _ = cluster
+
+    def make(**fields: Any):
+        nested: dict[str, dict[str, Any]] = {}
+        defaults = {"hf_checkpoint": str(tiny_kit.model_dir), "prompt_data": str(tiny_kit.train),
+                    "rollout_batch_size": 4, "n_samples_per_prompt": 2, "rollout_max_response_len": 6,
+                    "sglang_server_concurrency": 8}
+        for name, value in {**defaults, **fields}.items():
+            nested.setdefault(FIELD_SECTION[name], {})[name] = value
+        args = Config.model_validate(nested).as_namespace()
+        args.sglang_router_ip, args.sglang_router_port = router.host, router.port
+        return args
+
+    return make

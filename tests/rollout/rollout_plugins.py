@@ -1,0 +1,59 @@
+"""Plugins the rollout tests name by dotted path (`rollout_plugins.<fn>`; pytest puts this directory on
+sys.path). Each has slime's signature unless its name says it is broken."""
+
+from __future__ import annotations
+
+from slime.types import Sample
+
+CALLS: dict[str, list] = {"sample_filter": [], "all_samples": []}
+
+
+async def rm_parity(args, sample: Sample) -> float:
+    """Even groups get rewards 0 and 1 (non-zero std), odd groups 1 and 1 (zero std): a reward-std
+    filter drops exactly the odd groups."""
+    return float(sample.index % 2) if sample.group_index % 2 == 0 else 1.0
+
+
+async def rm_one(args, sample: Sample) -> float:
+    return 1.0
+
+
+async def rm_raises_on_index_1_mod_4(args, sample: Sample) -> float:
+    if sample.index % 4 == 1:
+        raise ValueError(f"grader crashed on sample {sample.index}")
+    return 1.0
+
+
+def mark_short_removed(args, data) -> None:
+    """rollout_sample_filter_path: flag samples shorter than 3 tokens (none, with ignore-eos-free runs)."""
+    CALLS["sample_filter"].append(len(data))
+    for group in data:
+        for sample in group:
+            sample.remove_sample = sample.response_length < 0
+
+
+def record_all_samples(args, all_samples, data_source) -> None:
+    CALLS["all_samples"].append(len(all_samples))
+
+
+async def generate_missing_param(args, sample):
+    return sample
+
+
+def generate_not_async(args, sample, sampling_params):
+    return sample
+
+
+def filter_wrong_arity(args):
+    return True
+
+
+async def generate_too_long(args, sample, sampling_params):
+    """Returns a 10-token response whatever the budget: the rollout must cut it to the limit."""
+    sample.tokens = [49, 43, 50, 61] + list(range(70, 80))
+    sample.response_length = 10
+    sample.loss_mask = [1] * 10
+    sample.rollout_log_probs = [-1.0] * 10
+    sample.response = "x" * 10
+    sample.status = Sample.Status.COMPLETED
+    return sample
