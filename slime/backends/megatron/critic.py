@@ -3,9 +3,9 @@
 slime builds the critic the same way (`LinearForLastLayer(hidden, 1)` as `output_layer` on the
 post-process stage, `slime/backends/megatron_utils/model_provider.py`): the transformer starts from the
 same HF weights, the head starts fresh. The swap happens in mbridge's post-model-creation callback,
-before megatron DDP allocates its gradient buffers; mbridge's `load_weights` already skips the HF
-`lm_head` for a head of one output row, so the HF checkpoint loads unchanged. The head is not tied to
-the input embedding, even for models whose LM head is.
+before megatron DDP allocates its gradient buffers. The HF weights load with the head detached for the
+call (mbridge would map it onto `lm_head`, or for tied models onto the embedding a second time); the
+head keeps its fresh initialisation. It is not tied to the input embedding, even where the LM head is.
 
 The value of response token t is read where its log-prob is: at the hidden state of the token before
 it (`logprobs.response_positions`), i.e. V(s_t) with s_t the context that produced token t.
@@ -13,6 +13,8 @@ it (`logprobs.response_positions`), i.e. V(s_t) with s_t the context that produc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -51,8 +53,25 @@ def build_critic(bridge: Any, hf_dir: str | None = None) -> list[torch.nn.Module
                               ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": False},
                               post_model_creation_callbacks=[_attach_value_head])
     if hf_dir is not None:
-        bridge.load_weights(models, hf_dir)
+        with _heads_detached(models):
+            bridge.load_weights(models, hf_dir)
     return models
+
+
+@contextmanager
+def _heads_detached(models: list[torch.nn.Module]) -> Iterator[None]:
+    """The value heads taken off their models for the duration (parameters and buffers untouched)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    owners = [get_attr_wrapped_model(m, "output_layer", return_model_obj=True) for m in models]
+    heads = [owner.output_layer for owner in owners]
+    for owner in owners:
+        owner.output_layer = None
+    try:
+        yield
+    finally:
+        for owner, head in zip(owners, heads, strict=True):
+            owner.output_layer = head
 
 
 def response_values(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,59 @@
+"""Train-step inputs: TrainArrays validation, micro-batch tensors, and refusals before any forward."""
+
+import pytest
+import torch
+
+from slime.backends.megatron.step_data import TrainArrays, build_micro_batch
+from slime.backends.megatron.train import StepSettings, train_step
+from slime.errors import ConfigError, DataFormatError
+from slime.types import Sample
+
+
+def samples() -> list[Sample]:
+    return [Sample(index=0, tokens=[5, 6, 7, 8], response_length=2, loss_mask=[0, 1], rollout_log_probs=[-1.0, -2.0],
+                   metadata={"advantage": 0.5}),
+            Sample(index=1, tokens=[1, 2, 3, 4, 9], response_length=3, rollout_log_probs=[-0.1, -0.2, -0.3],
+                   metadata={"advantage": -1.0})]
+
+
+def test_micro_batch_tensors():
+    xs = samples()
+    arrays = TrainArrays(ref_log_probs=[[-3.0, -4.0], torch.tensor([-5.0, -6.0, -7.0])])
+    micro = build_micro_batch(xs, [0, 1], arrays, pad_token_id=0, device=torch.device("cpu"))
+    assert micro.batch.tokens.tolist() == [[5, 6, 7, 8, 0], [1, 2, 3, 4, 9]]
+    assert micro.loss_mask.tolist() == [[False, True, False], [True, True, True]]
+    # scalar advantages from Sample.metadata broadcast over each response, 0 in the padding
+    assert micro.advantages.tolist() == [[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0]]
+    assert torch.allclose(micro.rollout_log_probs, torch.tensor([[-1.0, -2.0, 0.0], [-0.1, -0.2, -0.3]]))
+    assert micro.ref_log_probs.tolist() == [[-3.0, -4.0, 0.0], [-5.0, -6.0, -7.0]]
+    assert micro.old_log_probs is None and micro.returns is None
+    # per-token advantages replace the scalar path; a scalar entry still broadcasts
+    per_token = build_micro_batch(xs, [1, 0], TrainArrays(advantages=[[1.0, 2.0], 3.0]), pad_token_id=0,
+                                  device=torch.device("cpu"))
+    assert per_token.advantages.tolist() == [[3.0, 3.0, 3.0], [1.0, 2.0, 0.0]]
+
+
+def test_train_arrays_lengths_are_checked():
+    with pytest.raises(DataFormatError, match="sample index=1: TrainArrays.old_log_probs has 2 values"):
+        TrainArrays(old_log_probs=[[0.0, 0.0], [0.0, 0.0]]).check(samples())
+    with pytest.raises(DataFormatError, match="returns has 1 entries for 2 samples"):
+        TrainArrays(returns=[[0.0, 0.0]]).check(samples())
+
+
+@pytest.mark.parametrize(("settings", "arrays", "error", "match"), [
+    (StepSettings(loss_type="custom_loss"), None, ConfigError, "loss_type 'custom_loss'"),
+    (StepSettings(loss_type="policy_loss", use_kl_loss=True, kl_loss_coef=0.1), None, ConfigError, "ref_log_probs"),
+    (StepSettings(loss_type="value_loss"), None, ConfigError, "returns"),
+])
+def test_train_step_refuses_missing_inputs(settings, arrays, error, match):
+    with pytest.raises(error, match=match):
+        train_step([], None, samples(), settings, vocab_size=16, arrays=arrays)
+
+
+def test_rollout_log_probs_required_for_tis():
+    xs = samples()
+    xs[1].rollout_log_probs = None
+    with pytest.raises(DataFormatError, match="sample index=1: use_tis needs rollout_log_probs"):
+        train_step([], None, xs, StepSettings(loss_type="policy_loss", use_tis=True), vocab_size=16)
+    with pytest.raises(ConfigError, match="at least one sample"):
+        train_step([], None, [], StepSettings(), vocab_size=16)
