@@ -57,3 +57,19 @@ def test_rollout_log_probs_required_for_tis():
         train_step([], None, xs, StepSettings(loss_type="policy_loss", use_tis=True), vocab_size=16)
     with pytest.raises(ConfigError, match="at least one sample"):
         train_step([], None, [], StepSettings(), vocab_size=16)
+
+
+def test_step_settings_from_config():
+    from slime.config import load_config
+
+    config = load_config(None, ["--advantage-estimator", "gspo", "--eps-clip-c", "3", "--use-kl-loss",
+                                "--kl-loss-coef", "0.01", "--kl-loss-type", "k3", "--use-tis", "--tis-clip", "1.5",
+                                "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--micro-batch-size", "4",
+                                "--rollout-temperature", "0.7", "--calculate-per-token-loss", "--entropy-coef", "0.001"])
+    s = StepSettings.from_config(config)
+    assert (s.loss_type, s.advantage_estimator, s.eps_clip_c, s.kl_loss_type, s.kl_loss_coef) == \
+        ("policy_loss", "gspo", 3.0, "k3", 0.01)
+    assert s.use_kl_loss and s.use_tis and s.tis_clip == 1.5 and s.calculate_per_token_loss
+    assert (s.use_dynamic_batch_size, s.max_tokens_per_gpu, s.micro_batch_size) == (True, 4096, 4)
+    assert s.temperature == 0.7 and s.entropy_coef == 0.001
+    assert StepSettings.from_config(config, loss_type="value_loss").loss_type == "value_loss"
