@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import textwrap
 import uuid
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -180,3 +184,33 @@ def test_rejection_sampling_config_errors(tiny_kit, tmp_path):
                                                       "--rs-prompt-data", str(tiny_kit.train), "--rm-type", "math"]))
     with pytest.raises(ConfigError, match="needs prompts"):
         run_rejection_sampling(load_config(overrides=["--store", str(tmp_path), "--run-id", "x"]))
+
+
+@pytest.mark.slow  # three CLI stages in subprocesses: about 3.5 min on the shared 2-core machine
+def test_cli_samples_a_megatron_checkpoint_and_sft_trains_on_the_result(tiny_kit, tmp_path):
+    """`slime convert` -> `slime rejection-sample --rs-policy <megatron checkpoint>` (exported to HF on the
+    way) -> `slime sft --sft-data <accepted shard set>`."""
+    slime = shutil.which("slime", path=str(Path(sys.executable).parent))
+
+    def run(*argv):
+        result = subprocess.run([slime, *argv], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout[result.stdout.index("{"):])
+
+    run("convert", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", str(tmp_path / "convert"))
+    summary = run("rejection-sample", "--store", str(tmp_path / "store"), "--run-id", "cli",
+                  "--hf-checkpoint", str(tiny_kit.model_dir), "--rs-policy", str(tmp_path / "convert"),
+                  "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--apply-chat-template", "--rm-type", "math",
+                  "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rs-reward-threshold", "0",
+                  "--rs-keep-truncated", "--rs-dedup", "false")
+    stage = tmp_path / "store" / "cli" / "rejection_sampling"
+    export = read_manifest(str(stage / "policy-hf"))
+    assert export.kind == "hf_model" and export.metadata["source_checkpoint"].startswith(str(tmp_path / "convert"))
+    # rewards >= 0, truncated kept, no dedup: every sample is accepted
+    assert summary["samples"] == 8 and summary["accepted"] == 8 and summary["prompts_with_accepted"] == 4
+    accepted = read_samples(str(stage / "accepted"))
+    assert all(s.reward in (0.0, 1.0) and s.response_length > 0 for s in accepted)
+
+    sft = run("sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", str(stage / "accepted"),
+              "--save", str(tmp_path / "sft"), "--global-batch-size", "8", "--micro-batch-size", "4")
+    assert sft["steps"] == 1 and sft["first_loss"] > 0
