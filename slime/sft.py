@@ -2,16 +2,23 @@
 
     slime sft --hf-checkpoint runs/tiny-kit/model --sft-data runs/tiny-kit/data/sft.jsonl \\
               --save runs/exp/sft/checkpoint [--load runs/exp/convert/checkpoint] \\
-              --global-batch-size 64 --micro-batch-size 16 --lr 1e-3 --sft-num-epoch 2
+              --global-batch-size 64 --micro-batch-size 16 --lr 1e-3 --sft-num-epoch 2 \\
+              [--lr-decay-style cosine --lr-warmup-iters 10 --save-interval 50]
     python -m slime.sft --config deployments/tiny-cpu.yaml
 
 The loss is the token mean over assistant tokens only (multi-turn masks from the chat template,
 `slime.data.sft`), reduced per sample or per token (`--calculate-per-token-loss`). Each epoch visits
 the conversations in a seeded order in steps of `global_batch_size` (a last partial step is dropped,
-as in slime). Weights start from `--load` (a converted checkpoint) when given, else from the HF
-checkpoint. The result is committed as iteration N = number of steps under `--save`.
-Not yet: optimizer state in the checkpoint (so an interrupted SFT restarts its optimizer), data
-parallelism and LR schedules.
+as in slime). Optimizer and LR schedule come from the `train:` section (`build_optimizer_and_scheduler`;
+the schedule's length defaults to the stage's total steps). Weights start from `--load` (a converted
+checkpoint, model only) when given, else from the HF checkpoint.
+
+Checkpoints: every `save_interval` optimizer steps and at the end, the full training state (model,
+optimizer, scheduler, RNG, loss curve) is committed as iteration N = steps done under `--save`
+(`--no-save-optim`: the model only). When `--save` already holds committed SFT checkpoints, the stage
+resumes from the newest at the exact next step (same data order: the epoch orders are replayed from
+the seed), so an interrupted SFT ends with the weights an uninterrupted one would have.
+Not yet: data parallelism (one rank).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 from typing import Any
 
 from slime.config import Config
+from slime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +39,16 @@ def run_sft(config: Config) -> dict[str, Any]:
     config.require("checkpoint.hf_checkpoint", "sft.sft_data", "checkpoint.save", stage="sft")
     from transformers import AutoTokenizer
 
-    from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
-    from slime.backends.megatron.checkpoint import iteration_dir, load_model_checkpoint, save_model_checkpoint
-    from slime.backends.megatron.optimizer import build_optimizer
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+    from slime.backends.megatron.checkpoint import iteration_dir, latest_checkpoint, load_model_checkpoint
+    from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.convert import megatron_dtype
     from slime.data.sft import load_sft_samples
     from slime.export import resolve_checkpoint
-    from slime.storage import manifest_hash
+    from slime.storage import is_committed, manifest_hash
 
-    hf_dir = config.checkpoint.hf_checkpoint
+    hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = load_sft_samples(config.sft.sft_data, tokenizer, messages_key=config.sft.messages_key,
                                tool_key=config.data.tool_key)
@@ -48,35 +56,92 @@ def run_sft(config: Config) -> dict[str, Any]:
     if batch_size > len(samples):
         batch_size = len(samples)
         logger.warning("global_batch_size exceeds the %d conversations: using %d", len(samples), batch_size)
+    steps_per_epoch = len(samples) // batch_size
+    total_steps = steps_per_epoch * config.sft.sft_num_epoch
+    # what fixes the data order: a resumed run must agree on all of it
+    data_plan = {"num_conversations": len(samples), "global_batch_size": batch_size, "seed": config.run.seed,
+                 "total_steps": total_steps}
+
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, megatron_dtype(config))
-    models = build_model(bridge, wrap_with_ddp=True)
-    if config.checkpoint.load:
-        load_model_checkpoint(models, resolve_checkpoint(config.checkpoint.load))
+    models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer)
+    optimizer, scheduler = build_optimizer_and_scheduler(models, config, total_steps)
+    resume_from = latest_checkpoint(save)
+    if resume_from is not None:
+        done, losses = _resume(models, optimizer, scheduler, resume_from, data_plan)
     else:
-        bridge.load_weights(models, hf_dir)
-    optimizer = build_optimizer(models, lr=config.train.lr, clip_grad=config.train.clip_grad,
-                                bf16=bool(config.megatron.get("bf16")))
+        done, losses = 0, []
+        if config.checkpoint.load:
+            load_model_checkpoint(models, resolve_checkpoint(config.checkpoint.load))
+        else:
+            bridge.load_weights(models, hf_dir)
+
+    def save_at(step: int) -> None:
+        _save(config, bridge, models, optimizer, scheduler, step, losses, data_plan)
+
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=config.train.micro_batch_size,
                             calculate_per_token_loss=config.algorithm.calculate_per_token_loss)
-    rng = random.Random(config.run.seed)
-    losses: list[float] = []
+    order_rng = random.Random(config.run.seed)
+    step = 0
     for epoch in range(config.sft.sft_num_epoch):
         order = list(range(len(samples)))
-        rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
+        order_rng.shuffle(order)  # drawn for every epoch, also the finished ones: resume replays the orders
+        for start in range(0, steps_per_epoch * batch_size, batch_size):
+            step += 1
+            if step <= done:
+                continue
             batch = [samples[i] for i in order[start : start + batch_size]]
             metrics = train_step(models, optimizer, batch, settings, vocab_size=bridge.hf_config.vocab_size,
                                  pad_token_id=tokenizer.pad_token_id or 0)
+            scheduler.step(1)
             losses.append(metrics["sft_loss"])
-            logger.info("sft epoch %d step %d loss %.4f grad_norm %.3f", epoch, len(losses), metrics["sft_loss"],
-                        metrics["grad_norm"])
-    save_model_checkpoint(models, config.checkpoint.save, len(losses),
-                          config_hash=config.section_hash("sft", "train", "checkpoint", "megatron"),
-                          metadata={**checkpoint_metadata(bridge, hf_dir), "stage": "sft", "sft_losses": losses})
-    path = iteration_dir(config.checkpoint.save, len(losses))
+            logger.info("sft epoch %d step %d/%d loss %.4f grad_norm %.3f lr %.3g", epoch, step, total_steps,
+                        metrics["sft_loss"], metrics["grad_norm"], metrics["lr"])
+            if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0 and step < total_steps:
+                save_at(step)
+    path = iteration_dir(save, total_steps)
+    if not is_committed(path):
+        save_at(total_steps)
     return {"checkpoint": path, "manifest_hash": manifest_hash(path), "steps": len(losses),
-            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+            "resumed_from": resume_from, "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None}
+
+
+def _resume(models: list[Any], optimizer: Any, scheduler: Any, path: str,
+            data_plan: dict[str, Any]) -> tuple[int, list[float]]:
+    """Load the full training state of an SFT checkpoint; returns (steps done, loss curve so far)."""
+    from slime.backends.megatron.checkpoint import (
+        load_checkpoint,
+        read_checkpoint_manifest,
+        read_training_state,
+    )
+
+    stage = read_checkpoint_manifest(path).metadata.get("stage")
+    if stage != "sft":
+        raise ConfigError(f"--save holds {path}, a checkpoint of stage {stage!r}: SFT resumes only its own "
+                          "checkpoints; give SFT its own --save directory (and the other one as --load)")
+    saved_plan = read_training_state(path).extra_state
+    for name, value in data_plan.items():
+        if saved_plan.get(name) != value:
+            raise ConfigError(f"{path}: cannot resume SFT: {name} was {saved_plan.get(name)!r}, now {value!r} (the "
+                              "data order would differ); use the same data and batch size, or a new --save directory")
+    state = load_checkpoint(models, path, optimizer, scheduler)
+    logger.info("resuming SFT from %s at step %d", path, state.iteration + 1)
+    return state.iteration, list(state.extra_state.get("sft_losses", []))
+
+
+def _save(config: Config, bridge: Any, models: list[Any], optimizer: Any, scheduler: Any, step: int,
+          losses: list[float], data_plan: dict[str, Any]) -> None:
+    from slime.backends.megatron.bridge import checkpoint_metadata
+    from slime.backends.megatron.checkpoint import save_checkpoint
+
+    full = not config.checkpoint.no_save_optim
+    save_checkpoint(models, config.checkpoint.save, step, optimizer=optimizer if full else None,
+                    scheduler=scheduler if full else None, extra_state={"sft_losses": losses, **data_plan},
+                    metadata={**checkpoint_metadata(bridge, config.checkpoint.hf_checkpoint), "stage": "sft",
+                              "sft_losses": losses},
+                    config_hash=config.section_hash("sft", "train", "checkpoint", "megatron"),
+                    fully_reshardable=config.checkpoint.dist_ckpt_optim_fully_reshardable)
 
 
 if __name__ == "__main__":

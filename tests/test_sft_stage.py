@@ -1,10 +1,13 @@
-"""`slime sft` end to end on the tiny kit (CPU): loss falls, the checkpoint is committed and exports."""
+"""`slime sft` end to end on the tiny kit (CPU): loss falls, the checkpoint is committed and exports; an
+interrupted SFT resumes from its newest checkpoint to the weights of an uninterrupted one."""
 
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
 
@@ -34,3 +37,56 @@ def test_sft_needs_its_data():
     result = subprocess.run([SLIME, "sft", "--hf-checkpoint", "x", "--save", "y"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and "stage 'sft' needs: sft.sft_data (--sft-data)" in result.stderr
+
+
+def run_sft(*flags: str) -> dict:
+    result = subprocess.run([SLIME, "sft", *flags], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def model_weights(checkpoint: Path) -> dict:
+    """The model tensors of a torch_dist checkpoint, read with torch's own DCP reader."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint / "model", checkpoint.parent / "weights.pt")
+    state = torch.load(checkpoint.parent / "weights.pt", weights_only=True)
+    (checkpoint.parent / "weights.pt").unlink()
+    return {k: v for k, v in state.items() if "_extra_state" not in k}
+
+
+def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
+    # 32 conversations, 16 per step, 2 epochs: 4 steps; warmup + cosine over them; a save after step 3
+    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
+             "--global-batch-size", "16", "--micro-batch-size", "16", "--lr", "3e-3", "--sft-num-epoch", "2",
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--save-interval", "3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    uninterrupted = run_sft(*flags, "--save", str(whole))
+    assert uninterrupted["steps"] == 4 and uninterrupted["resumed_from"] is None
+    assert sorted(p.name for p in whole.iterdir()) == ["iter_0000003", "iter_0000004"]
+    # a run that stopped right after its step-3 save: only that checkpoint is in its --save directory
+    cut.mkdir()
+    shutil.copytree(whole / "iter_0000003", cut / "iter_0000003")
+    resumed = run_sft(*flags, "--save", str(cut))
+    assert resumed["resumed_from"] == str(cut / "iter_0000003")
+    final_whole, final_cut = model_weights(whole / "iter_0000004"), model_weights(cut / "iter_0000004")
+    assert final_whole.keys() == final_cut.keys() and len(final_whole) > 5
+    for name, tensor in final_whole.items():
+        assert torch.equal(tensor, final_cut[name]), name
+    # the loss curve continues where it stopped, and equals the uninterrupted one
+    manifest = json.loads((cut / "iter_0000004" / "manifest.json").read_text())
+    assert manifest["metadata"]["sft_losses"] == json.loads(
+        (whole / "iter_0000004" / "manifest.json").read_text())["metadata"]["sft_losses"]
+    # run again on a finished --save: nothing to train, the same checkpoint
+    again = run_sft(*flags, "--save", str(cut))
+    assert again["checkpoint"] == resumed["checkpoint"] and again["manifest_hash"] == resumed["manifest_hash"]
+
+
+def test_sft_refuses_to_resume_with_another_data_plan(tiny_kit, tmp_path):
+    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--micro-batch-size", "8", "--lr", "3e-3",
+             "--save", str(tmp_path / "s"), "--save-interval", "1"]
+    run_sft(*flags, "--sft-data", f"{tiny_kit.sft}@[0:8]", "--global-batch-size", "8")
+    result = subprocess.run([SLIME, "sft", *flags, "--sft-data", f"{tiny_kit.sft}@[0:16]", "--global-batch-size", "8"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "cannot resume SFT: num_conversations was 8, now 16" in result.stderr

@@ -170,6 +170,19 @@ def read_checkpoint_manifest(path: str) -> Manifest:
     return manifest
 
 
+def read_training_state(path: str) -> TrainingState:
+    """The iteration and `extra_state` of a full training-state checkpoint, without loading any tensor
+    (a caller can check them before it commits to a resume)."""
+    manifest = read_checkpoint_manifest(path)
+    if not manifest.metadata.get("training_state"):
+        raise ModelOnlyCheckpointError(f"{path} holds the model only (saved with --no-save-optim, or a "
+                                       "conversion): it has no training state to resume")
+    with open(os.path.join(path, TRAINING_STATE)) as f:
+        training = json.load(f)
+    return TrainingState(iteration=int(training["iteration"]), extra_state=training.get("extra_state") or {},
+                         manifest=manifest)
+
+
 def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
     """Load a committed checkpoint's model weights into `models` (same architecture and dtype; any
     parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export."""
@@ -207,6 +220,7 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
     state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                          metadata=_sharding_metadata(meta.get("optimizer_sharding")))
     optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
+    init_optimizer_state(optimizer)  # a state saved before the first step has no `step` (megatron drops a 0)
     untie_adam_steps(optimizer)  # fix 3
     if scheduler is not None and training.get("scheduler") is not None:
         scheduler.load_state_dict(training["scheduler"])

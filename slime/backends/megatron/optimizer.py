@@ -12,8 +12,10 @@ Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, meas
 1. a fresh torch Adam has no state, and `DistributedOptimizer.state_dict()` asserts on its `step`:
    `init_optimizer_state` fills empty Adam state (zeros, step 0: what Adam's first step would create)
    before any sharded state dict is built;
-2. `_set_main_param_and_optimizer_states` copies into leaf parameters outside `no_grad` and expects a
-   `step` in the saved tensors: replaced on each DistributedOptimizer instance (`build_optimizer`);
+2. `_set_main_param_and_optimizer_states` copies into leaf parameters outside `no_grad`, expects a
+   `step` in the saved tensors, and where one is there ('dp_reshardable') it is the template's value, which
+   would overwrite the step just restored from the param groups: replaced on each DistributedOptimizer
+   instance (`build_optimizer`) by a setter that never touches `step`;
 3. after loading, megatron gives every parameter one shared `step` tensor, which torch Adam then
    increments once per parameter (wrong bias correction): `untie_adam_steps` gives each its own copy.
 """
@@ -136,14 +138,14 @@ def untie_adam_steps(optimizer: Any) -> None:
 
 
 def _set_main_param_and_states(self: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
-    """Fix 2: DistributedOptimizer's setter, without autograd and tolerating a saved state without
-    `step` (the step lives in the param groups of the checkpoint's common state)."""
+    """Fix 2: DistributedOptimizer's setter, without autograd and leaving `step` alone (megatron restores
+    it from the param groups of the checkpoint's common state just before)."""
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     with torch.no_grad():
         main_param.copy_(tensors["param"])
         for key, value in self.optimizer.state[main_param].items():
-            if key in tensors:
+            if key != "step" and key in tensors:  # the step comes from the common state's param groups
                 value.copy_(tensors[key])
 
 
