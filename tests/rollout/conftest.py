@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -10,6 +12,12 @@ import pytest
 from slime.config import FIELD_SECTION, Config
 from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.router import SGLangRouter
+
+# `examples/` is a top-level directory of the repository, not an installed package: make it importable
+# as `examples.<module>` (plugin paths in the tests name it so, as a user running from the root would).
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+if REPO_ROOT not in sys.path:
+    sys.path.append(REPO_ROOT)
 
 
 @pytest.fixture(scope="module")
