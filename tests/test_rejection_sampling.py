@@ -165,14 +165,26 @@ def test_rejection_sampling_end_to_end(tiny_kit, tmp_path, rm_module):
         run_rejection_sampling(changed)
 
 
-def test_rejection_sampling_greedy_duplicates_are_dropped(tiny_kit, tmp_path):
-    config = rs_config(tiny_kit, tmp_path / "store", "--rollout-top-k", "1", "--rs-reward-threshold", "0",
-                       "--rs-keep-truncated", "--rs-output-name", "greedy")
+def test_rejection_sampling_greedy_duplicates_and_engine_errors(tiny_kit, tmp_path):
+    """Greedy decoding makes the 4 samples of a prompt identical: dedup keeps one. A prompt longer than the
+    model's context is refused by the engine (HTTP 400): its samples are FAILED and counted, not lost."""
+    rows = tiny_kit.train.read_text().splitlines()[:6]
+    rows.append(json.dumps({"prompt": "1+" * 300 + "1=", "label": "301"}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(rows) + "\n")
+    config = rs_config(tiny_kit, tmp_path / "store", "--rs-prompt-data", str(prompts), "--rollout-top-k", "1",
+                       "--rs-reward-threshold", "0", "--rs-keep-truncated", "--rs-output-name", "greedy")
     result = run_rejection_sampling(config)
     candidates = read_samples(result["candidates"])
-    for g in range(6):  # greedy decoding: the 4 samples of a prompt are identical
+    assert len(candidates) == 28
+    for g in range(6):
         assert len({tuple(s.tokens) for s in candidates if s.group_index == g}) == 1
-    assert result["accepted"] == 6 and result["rejected_duplicate"] == 18
+    failed = [s for s in candidates if s.group_index == 6]
+    assert all(s.status is Status.FAILED and s.reward is None for s in failed)
+    assert all("returned HTTP 400" in s.metadata["generate_error"] and "maximum context length" in
+               s.metadata["generate_error"] for s in failed)
+    assert (result["prompts"], result["samples"], result["accepted"]) == (7, 28, 6)
+    assert (result["rejected_duplicate"], result["rejected_failed"], result["generate_errors"]) == (18, 4, 4)
     assert [s.group_index for s in read_samples(result["output"])] == list(range(6))
 
 
