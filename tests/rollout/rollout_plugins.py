@@ -57,3 +57,8 @@ async def generate_too_long(args, sample, sampling_params):
     sample.response = "x" * 10
     sample.status = Sample.Status.COMPLETED
     return sample
+
+
+async def rm_first_of_four(args, sample: Sample) -> float:
+    """Exactly one correct sample in every 4 consecutive indices: pass@1 = 0.25, pass@2 = 0.5, pass@4 = 1."""
+    return 1.0 if sample.index % 4 == 0 else 0.0
