@@ -9,6 +9,7 @@ only the last box is.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -42,10 +43,22 @@ def is_equivalent(response: str, label: Any) -> bool:
     # Like slime, a boxed answer is the answer (the last box when there are several); math-verify
     # would otherwise read every box at once.
     boxed = last_boxed(response)
-    gold, answer = parse_answer(gold_text), parse_answer(response if boxed is None else boxed)
+    return _equivalent_texts(response if boxed is None else boxed, gold_text)
+
+
+# Parsing costs ~1 ms per string (sympy); the n samples of a prompt share its label and a trained
+# policy repeats its answers, so results are cached by the two strings.
+@functools.lru_cache(maxsize=1 << 16)
+def _equivalent_texts(answer_text: str, gold_text: str) -> bool:
+    gold, answer = _parse_gold(gold_text), parse_answer(answer_text)
     if not gold or not answer:
         return False
     return verify(gold, answer, timeout_seconds=_timeout())
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parse_gold(gold_text: str) -> list[Any]:
+    return parse_answer(gold_text)
 
 
 def math_reward(response: str, label: Any) -> float:
