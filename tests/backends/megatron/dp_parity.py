@@ -84,7 +84,7 @@ def main() -> None:
                 arrays = TrainArrays(old_log_probs=[jitter(v, 0.2, seed=1000 * (step + 1) + x.index) for v, x in pairs],
                                      ref_log_probs=[jitter(v, 1.0, seed=5000 + 1000 * step + x.index) for v, x in pairs])
             metrics.append(train_step(models, optimizer, samples, settings, vocab_size=vocab, arrays=arrays))
-        weights = {name: tensor.detach().clone().contiguous() for name, tensor in export_hf_weights(bridge, models)}
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in export_hf_weights(bridge, models)}
         slug = case.replace(" ", "_").replace(",", "")
         if rank == 0:
             save_file(weights, str(out_dir / f"{world_size}-{slug}.safetensors"))

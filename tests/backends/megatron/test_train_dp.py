@@ -35,6 +35,7 @@ def test_two_ranks_equal_one_rank(runs):
         assert a.keys() == b.keys()
         gap = max((a[k] - b[k]).abs().max().item() for k in a)
         moved = max((a[k] - initial[k]).abs().max().item() for k in a)
+        print(f"{slug}: weights moved {moved:.3g}, 1 vs 2 ranks {gap:.3g}")
         assert moved > 1e-3, (slug, moved)  # the steps did something
         assert gap < TOLERANCE, (slug, gap)
         # both ranks report the global metrics, equal to the single rank's
