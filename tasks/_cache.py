@@ -154,8 +154,12 @@ class StageCachePolicy(CachePolicy):
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         config: Config = inputs["config"]
-        base = stage_cache_key(config, self.config_fields, inputs["inputs"], inputs["output"], self.code_modules,
-                               task_source=TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters))
+        try:
+            base = stage_cache_key(config, self.config_fields, inputs["inputs"], inputs["output"], self.code_modules,
+                                   task_source=TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters))
+        except NotCommittedError as exc:  # the stage itself fails on it, with its own message
+            logger.warning("no cache key (%s): the stage runs and its result is not stored", exc)
+            return None
         return first_valid_key(task_ctx.result_store, base, config.run.storage_options)
 
 
