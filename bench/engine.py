@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--skip-generate", action="store_true", help="only the engine")
+    parser.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "dynamic"],
+                        help="the engine's KV cache (auto: slots with CUDA graphs on CUDA)")
     args = parser.parse_args()
 
     scratch = tempfile.TemporaryDirectory()
@@ -113,7 +115,7 @@ def main() -> None:
     prompts = make_prompts(args.requests, args.prompt_len, len(tokenizer))
     tokens = args.requests * args.new_tokens
     print(f"{args.requests} concurrent requests x {args.new_tokens} new tokens, prompt {args.prompt_len} tokens, "
-          f"{args.device} {args.dtype}, warm median of {args.repeats}")
+          f"{args.device} {args.dtype}, kv cache {args.kv_cache}, warm median of {args.repeats}")
 
     results: dict[str, tuple[float, list[float]]] = {}
     model = None
@@ -123,7 +125,8 @@ def main() -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
-                                            dtype=args.dtype, max_running_requests=max(256, args.requests))
+                                            dtype=args.dtype, max_running_requests=max(256, args.requests),
+                                            kv_cache=args.kv_cache)
         try:
             engine_times, generate_times = [], []
             engine_warm = asyncio.run(run_engine(url, prompts, args.new_tokens))

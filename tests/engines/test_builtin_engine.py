@@ -9,9 +9,11 @@ from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_kit):
-    eng = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=7))
+@pytest.fixture(scope="module", params=["dynamic", "slots"])
+def engine(tiny_kit, request):
+    # both KV-cache paths: the dynamic cache (CPU default) and the slot cache (CUDA default, eager here)
+    eng = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=7, kv_cache=request.param))
+    assert eng.scheduler.kv_cache == request.param
     yield eng
     eng.shutdown()
 
@@ -53,6 +55,26 @@ def test_concurrent_requests_match_teacher_forced_logprobs(engine):
         engine_lp = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         ref = teacher_forced_logprobs(engine, prompt, out["output_ids"], temperature=0.8)
         assert (engine_lp - ref).abs().max().item() < 1e-5
+
+
+def test_requests_joining_and_leaving_a_running_batch_keep_exact_logprobs(engine):
+    tok = engine.tokenizer
+
+    async def go():
+        first = [asyncio.ensure_future(engine.generate({
+            "input_ids": tok.encode(f"{i}*{i}="), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4 + 12 * i, "ignore_eos": True}})) for i in range(3)]
+        while engine.scheduler.steps < 3:  # the first rows are decoding (and the shortest has left)
+            await asyncio.sleep(0.005)
+        late = [engine.generate({"input_ids": tok.encode(f"late {i}: 99+{i}="), "return_logprob": True,
+                                 "sampling_params": {"max_new_tokens": 9, "ignore_eos": True}}) for i in range(2)]
+        return await asyncio.gather(*first, *late)
+
+    outs = run(go())
+    prompts = [tok.encode(f"{i}*{i}=") for i in range(3)] + [tok.encode(f"late {i}: 99+{i}=") for i in range(2)]
+    for prompt, out in zip(prompts, outs, strict=True):
+        engine_lp = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert (engine_lp - teacher_forced_logprobs(engine, prompt, out["output_ids"])).abs().max().item() < 1e-5
 
 
 def test_seeded_sampling_is_deterministic_and_batch_independent(engine):

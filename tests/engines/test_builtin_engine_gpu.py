@@ -10,11 +10,15 @@ from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("kv_cache", ["slots", "dynamic"])
 @pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.1)])
-def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance):
+def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance, kv_cache):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
-    engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), device="cuda", dtype=dtype))
+    engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), device="cuda", dtype=dtype,
+                                      kv_cache=kv_cache))
+    # slots on CUDA: graph-captured decode steps
+    assert engine.scheduler.kv_cache == kv_cache
     try:
         prompts = [engine.tokenizer.encode(f"{i}+{i * 13}=") for i in range(1, 17)]
 
@@ -33,7 +37,9 @@ def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance):
                 1, torch.tensor(out["output_ids"], device="cuda").unsqueeze(1)).squeeze(1)
             got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], device="cuda")
             worst = max(worst, (got - ref).abs().max().item())
-        print(f"{dtype}: max |engine - teacher forced| = {worst:.2e}")
+        if kv_cache == "slots":
+            assert engine.scheduler._slots.cuda_graphs and engine.scheduler._slots._graphs
+        print(f"{dtype} {kv_cache}: max |engine - teacher forced| = {worst:.2e}")
         assert worst < tolerance
     finally:
         engine.shutdown()

@@ -52,6 +52,9 @@ class EngineArgs:
     context_length: int | None = None
     served_model_name: str | None = None
     weight_version: str = "default"
+    kv_cache: str = "auto"  # auto (slots on CUDA for Qwen2/Qwen3/Llama), slots, dynamic
+    disable_cuda_graph: bool = False
+    max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -79,6 +82,7 @@ class BuiltinEngine:
         self.scheduler = Scheduler(
             self.model, self.tokenizer, device=self.device, seed=args.random_seed,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
+            kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
         )
         self.scheduler.weight_version = args.weight_version
         self.scheduler.start()
@@ -199,8 +203,9 @@ class BuiltinEngine:
         if self.scheduler.busy:
             raise BadRequestError("cannot release memory while requests are running; pause and abort first")
         self.scheduler.set_released(True)
-        if self.device.type == "cuda":
-            self.scheduler.run_command(lambda: self.model.to("cpu")).result()
+        if self.device.type == "cuda":  # the slot cache and its graphs point at the old weights: rebuilt later
+            self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(), self.model.to("cpu"))).result()
+            torch.cuda.empty_cache()
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:

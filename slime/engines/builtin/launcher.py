@@ -18,6 +18,7 @@ def start_builtin_engine(
     dtype: str = "auto",
     random_seed: int = 0,
     max_running_requests: int = 256,
+    kv_cache: str = "auto",
     timeout_s: float = 180.0,
 ) -> tuple[ServerProcess, str]:
     """Launch `python -m slime.engines.builtin` on a free port; return the process and its URL.
@@ -27,7 +28,7 @@ def start_builtin_engine(
     port = port or find_free_port(host)
     cmd = [sys.executable, "-m", "slime.engines.builtin", "--model", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--random-seed", str(random_seed),
-           "--max-running-requests", str(max_running_requests)]
+           "--max-running-requests", str(max_running_requests), "--kv-cache", kv_cache]
     process = ServerProcess(cmd, log_path=log_path, name=f"builtin-engine:{port}").start()
     url = f"http://{host}:{port}"
     try:

@@ -7,6 +7,10 @@ one token for every running row. Finished rows are dropped from the cache, and c
 padding in every row are trimmed. Any `transformers` causal LM works, since only its forward pass
 (with `attention_mask`, `position_ids` and a `DynamicCache`) is used.
 
+With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) prompts are prefilled the
+same way, but decoding runs on a preallocated per-request slot cache with a graph-captured step
+(`slots.py`); rows then never move except when a finished row's slot is refilled by the last one.
+
 Control commands (weight updates, cache flush, memory release) run on the model thread between
 steps, so they never race a forward pass. `pause()` stops stepping without touching running
 requests (SGLang's in-place pause), `abort()` finishes requests with the tokens they have.
@@ -30,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
+from slime.engines.builtin.slots import SlotDecoder, slot_support
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,15 @@ class _Batch:
     next_tokens: torch.Tensor  # [B] the token each row feeds at the next decode step
 
 
+@dataclass
+class _SlotBatch:
+    """Running rows in slot mode: row i is slot i and holds `lengths[i]` tokens."""
+
+    requests: list[Request]
+    next_tokens: torch.Tensor  # [B]
+    lengths: list[int]
+
+
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     if width == 0:
         return t
@@ -89,6 +103,9 @@ class Scheduler:
         max_running_requests: int = 256,
         context_length: int | None = None,
         admission_window_s: float = 0.01,
+        kv_cache: str = "auto",
+        cuda_graphs: bool = True,
+        max_slot_len: int = 4096,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -99,13 +116,18 @@ class Scheduler:
         # concurrent requests are prefilled together (no left padding between them for their whole life).
         self.admission_window_s = admission_window_s
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", 1 << 30)
+        self.kv_cache = self._choose_kv_cache(kv_cache)
+        if self.kv_cache == "slots":  # every request must fit its slot
+            self.context_length = min(self.context_length, max_slot_len)
+        self.cuda_graphs = cuda_graphs
+        self._slots: SlotDecoder | None = None
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self._arrivals = itertools.count()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._waiting: list[Request] = []
-        self._batch: _Batch | None = None
+        self._batch: _Batch | _SlotBatch | None = None
         self._wake = threading.Event()
         self._paused = False
         self._released = False
@@ -190,13 +212,34 @@ class Scheduler:
         return future
 
     def load(self) -> dict[str, int]:
-        running = len(self._batch.requests) if self._batch else 0
-        tokens = int(self._batch.mask.sum()) if self._batch else 0
+        batch = self._batch
+        running = len(batch.requests) if batch else 0
+        if batch is None:
+            tokens = 0
+        elif isinstance(batch, _SlotBatch):
+            tokens = sum(batch.lengths)
+        else:
+            tokens = int(batch.mask.sum())
         return {"num_reqs": running + len(self._waiting) + self._inbox.qsize(),
                 "num_waiting_reqs": len(self._waiting) + self._inbox.qsize(), "num_tokens": tokens}
 
     def set_released(self, released: bool) -> None:
         self._released = released
+
+    def drop_kv_cache(self) -> None:
+        """Free the slot cache and its captured graphs (model thread only: use `run_command`); they
+        are rebuilt at the next request. Needed when the weights move (memory release)."""
+        self._slots = None
+
+    def _choose_kv_cache(self, kv_cache: str) -> str:
+        if kv_cache not in ("auto", "slots", "dynamic"):
+            raise ValueError(f"kv_cache must be auto, slots or dynamic, not {kv_cache!r}")
+        reason = slot_support(self.model)
+        if kv_cache == "slots" and reason is not None:
+            raise ValueError(f"kv_cache=slots: slot decoding does not support {reason}")
+        if kv_cache == "auto":
+            return "slots" if self.device.type == "cuda" and reason is None else "dynamic"
+        return kv_cache
 
     @property
     def busy(self) -> bool:
@@ -336,6 +379,11 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = self._batch  # every row is running: finished rows were dropped after prefill and aborts
+        if isinstance(batch, _SlotBatch):
+            logits = self._slots.decode(batch.next_tokens, batch.lengths)
+            batch.lengths = [n + 1 for n in batch.lengths]
+            batch.next_tokens = self._choose(batch.requests, logits)
+            return
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
@@ -383,6 +431,9 @@ class Scheduler:
             request.finish_reason = {"type": "length", "length": len(request.output_ids)}
 
     def _merge(self, new: _Batch) -> None:
+        if self.kv_cache == "slots":
+            self._merge_slots(new)
+            return
         if self._batch is None:
             self._batch = new
             return
@@ -400,6 +451,18 @@ class Scheduler:
             torch.cat([old.next_tokens, new.next_tokens]),
         )
 
+    def _merge_slots(self, new: _Batch) -> None:
+        """Copy the prefilled rows' keys/values into the next free slots."""
+        if self._slots is None:
+            self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
+                                      device=self.device, cuda_graphs=self.cuda_graphs)
+        old = self._batch or _SlotBatch([], new.next_tokens[:0], [])
+        lengths = [int(n) for n in new.mask.sum(dim=1).tolist()]
+        self._slots.write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=len(old.requests))
+        # the first sampled token is fed next, at position `length` of its slot
+        self._batch = _SlotBatch(old.requests + new.requests, torch.cat([old.next_tokens, new.next_tokens]),
+                                 old.lengths + lengths)
+
     def _drop_finished(self) -> None:
         batch = self._batch
         if batch is None:
@@ -416,6 +479,9 @@ class Scheduler:
             return
         if len(keep) == len(batch.requests):
             return
+        if isinstance(batch, _SlotBatch):
+            self._compact_slots(batch, keep)
+            return
         index = torch.tensor(keep, device=self.device)
         mask = batch.mask.index_select(0, index)
         start = int((mask.sum(dim=0) > 0).long().argmax())  # first column some row still uses
@@ -423,6 +489,21 @@ class Scheduler:
                   for k, v in _cache_tensors(batch.cache)]
         self._batch = _Batch([batch.requests[i] for i in keep], DynamicCache(layers, config=self.model.config),
                              mask[:, start:], batch.next_tokens.index_select(0, index))
+
+    def _compact_slots(self, batch: _SlotBatch, keep: list[int]) -> None:
+        """Keep rows `keep` in slots 0 .. len(keep)-1: each hole below that is filled by a running row
+        from above it (one slot copy per hole, no shifting)."""
+        size = len(keep)
+        holes = [i for i in range(size) if batch.requests[i].finish_reason is not None]
+        movers = [i for i in keep if i >= size]
+        order = list(range(len(batch.requests)))
+        for hole, mover in zip(holes, movers, strict=True):
+            self._slots.move(mover, hole, batch.lengths[mover])
+            order[hole] = mover
+        order = order[:size]
+        batch.requests = [batch.requests[i] for i in order]
+        batch.lengths = [batch.lengths[i] for i in order]
+        batch.next_tokens = batch.next_tokens.index_select(0, torch.tensor(order, device=self.device))
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason

@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--served-model-name")
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "dynamic"],
+                        help="auto: a slot cache with graph-captured decoding on CUDA (Qwen2/Qwen3/Llama), "
+                             "else the dynamic cache")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="slot mode: decode eagerly")
+    parser.add_argument("--max-slot-tokens", type=int, default=4096,
+                        help="slot mode: the most tokens (prompt + new) one request may hold")
     parser.add_argument("--log-level", default="info")
     return parser
 

@@ -1,0 +1,162 @@
+"""A slot KV cache and a graph-captured decode step for the built-in engine (Qwen2, Qwen3, Llama).
+
+The generic path of the scheduler (a `transformers` forward over a left-padded `DynamicCache`) pays,
+at every decode step, for concatenating the cache, a Python-level model forward (hundreds of kernel
+launches) and re-padding whenever rows join or leave. On a GPU that is launch-bound: ~3k tokens/s.
+
+Here every running request owns a *slot*: row `s` of a preallocated cache `[slots, kv_heads,
+max_len, head_dim]` per layer, holding its tokens at positions `0 .. n-1`. Running requests occupy
+slots `0 .. B-1` (when one finishes, the last running slot moves into the hole), so a decode step
+works on the first B rows only. Prompts are still prefilled by the model's own forward (any length,
+left-padded together); their keys/values are then copied into the slots.
+
+The decode step is written against the modules of the `transformers` model (its projections, norms,
+rotary embedding and MLP, so the weights are shared and in-place weight updates apply at once):
+embed -> per layer (norm, q/k/v, optional q/k norm, rotary, write k/v at each row's position,
+attention over the row's valid positions, o_proj, residual, norm, MLP, residual) -> norm -> lm_head.
+Its tensor shapes depend only on (batch bucket, length bucket), so on CUDA each such pair is captured
+once as a CUDA graph and replayed: one launch per step. Rows past B in a bucket compute on free
+slots and are ignored. On CPU the same step runs eagerly (used by the tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def slot_support(model: Any) -> str | None:
+    """None when `model` can use the slot decoder, else why not."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (slot decoding covers {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        return "sliding-window attention"
+    return None
+
+
+def _buckets(limit: int, start: int) -> list[int]:
+    sizes, size = [], start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+class SlotDecoder:
+    """The slot cache of one model and its decode step (graph-captured on CUDA)."""
+
+    def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool) -> None:
+        reason = slot_support(model)
+        if reason is not None:
+            raise ValueError(f"slot decoding does not support {reason}")
+        self.model = model
+        self.slots = slots
+        self.max_len = max_len
+        self.device = device
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        config = model.config
+        self.layers = model.model.layers
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.scaling = attention.scaling
+        self._rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        dtype = next(model.parameters()).dtype
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # the token each row feeds
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where it goes in its slot
+        self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
+        self.length_buckets = _buckets(max_len, 128)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * self.keys[0].element_size()
+        logger.info("slot KV cache: %d slots x %d tokens (%.2f GiB)%s", slots, max_len,
+                    slots * max_len * per_token / 2**30, ", CUDA graphs" if self.cuda_graphs else "")
+
+    # ------------------------------------------------------------------ cache bookkeeping
+
+    def write_prefill(self, cache: DynamicCache, rows: list[int], lengths: list[int], first_slot: int) -> None:
+        """Copy rows of a left-padded prefill cache into slots `first_slot, first_slot + 1, ...`."""
+        for layer, (keys, values) in enumerate((lay.keys, lay.values) for lay in cache.layers):
+            width = keys.shape[2]
+            for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+                self.keys[layer][first_slot + i, :, :n] = keys[row, :, width - n :]
+                self.values[layer][first_slot + i, :, :n] = values[row, :, width - n :]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Slot `src`'s first `length` positions into slot `dst` (compaction after a row finishes)."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[dst, :, :length] = keys[src, :, :length]
+            values[dst, :, :length] = values[src, :, :length]
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] (float32) for feeding `tokens[i]` at `positions[i]` of slot i, i < B."""
+        batch = len(positions)
+        length = next(b for b in self.length_buckets if b > max(positions))
+        self.tokens[:batch] = tokens
+        self.positions[:batch] = torch.tensor(positions, dtype=torch.long)
+        if not self.cuda_graphs:
+            return self._step(batch, length).float()
+        bucket = next(b for b in self.batch_buckets if b >= batch)
+        self.tokens[batch:bucket] = 0
+        self.positions[batch:bucket] = 0  # free slots: their writes land at position 0 and are never read
+        key = (bucket, length)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, length)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:batch].float()
+
+    def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernel selection)
+            self._step(batch, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(batch, length)
+        self._pool = graph.pool()
+        logger.info("captured decode graph for batch %d, length %d", batch, length)
+        return graph, logits
+
+    def _step(self, batch: int, length: int) -> torch.Tensor:
+        model = self.model.model
+        tokens, positions = self.tokens[:batch], self.positions[:batch]
+        rows = torch.arange(batch, device=self.device)
+        hidden = model.embed_tokens(tokens.unsqueeze(1))  # [B, 1, H]
+        cos, sin = model.rotary_emb(hidden, positions.unsqueeze(1))
+        # a row attends to its positions 0 .. p (True = attend)
+        mask = (torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim)
+            k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
+            v = attention.v_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
+            if hasattr(attention, "q_norm"):
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, D]
+            keys[rows, :, positions] = k[:, :, 0]
+            values[rows, :, positions] = v[:, 0]
+            out = F.scaled_dot_product_attention(q, keys[:batch, :, :length], values[:batch, :, :length],
+                                                 attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=self.heads != self.kv_heads)
+            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(batch, 1, self.heads * self.head_dim))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(model.norm(hidden))[:, 0]
