@@ -23,7 +23,8 @@ Policy variants follow `advantage_estimator`: gspo uses the sequence-level ratio
 loss, every other estimator the (dual-)clipped PPO surrogate. Old log-probs are the rollout engine's
 with `use_rollout_logprobs`, else `TrainArrays.old_log_probs` when the caller recomputed them, else this
 forward's own log-probs, detached: slime's shortcut for the first step on a rollout's policy, where the
-ratio is exactly 1. TIS weights compare the trainer's old log-probs (the same fallback) with the
+ratio is exactly 1 (a caller taking several steps per rollout must pass the log-probs computed before
+the first, or the ratio never leaves 1). TIS weights compare the trainer's old log-probs (the same fallback) with the
 rollout's.
 """
 
@@ -255,5 +256,6 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     metrics = _sum_over_ranks(reduced, device)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
                    update_successful=float(bool(updated)), lr=optimizer.param_groups[0]["lr"],
-                   num_microbatches=float(len(micro)))
+                   num_microbatches=float(len(micro)),
+                   max_microbatch_tokens=float(max(m.batch.tokens.numel() for m in micro)))
     return metrics

@@ -21,6 +21,7 @@ from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
 from slime.backends.megatron.train import StepSettings, train_step
+from slime.backends.megatron.whiten import whiten_over_dp
 from slime.types import Sample
 
 STEPS = 2
@@ -66,6 +67,11 @@ def main() -> None:
     rank, world_size, init_method = rank_env()
     init_megatron(seed=0, rank=rank, world_size=world_size, init_method=init_method)
     shares = [[0, 1, 2, 3], [4, 5]] if world_size == 2 else [list(range(len(LENGTHS)))]
+    mine = [make_samples(1000)[i] for i in shares[rank]]
+    raw = [torch.linspace(-1.0, 2.0, x.response_length) * (x.index + 1) for x in mine]
+    whitened = whiten_over_dp(mine, raw)
+    print(json.dumps({"case": "whiten", "rank": rank, "indices": shares[rank],
+                      "advantages": [w.tolist() for w in whitened]}), flush=True)
     for case, (settings, optim, distributed) in CASES.items():
         bridge = make_bridge(hf_dir)
         models = build_model(bridge, hf_dir, wrap_with_ddp=True, use_distributed_optimizer=distributed)

@@ -73,3 +73,17 @@ def test_step_settings_from_config():
     assert (s.use_dynamic_batch_size, s.max_tokens_per_gpu, s.micro_batch_size) == (True, 4096, 4)
     assert s.temperature == 0.7 and s.entropy_coef == 0.001
     assert StepSettings.from_config(config, loss_type="value_loss").loss_type == "value_loss"
+
+
+def test_whiten_over_dp_on_one_rank_equals_whiten():
+    from slime.algorithms.advantages import whiten
+    from slime.backends.megatron.whiten import whiten_over_dp
+
+    xs = samples()  # loss masks [0, 1] and all ones
+    raw = [torch.tensor([5.0, 1.0]), torch.tensor([2.0, -3.0, 4.0])]
+    got = whiten_over_dp(xs, raw)
+    padded = torch.tensor([[5.0, 1.0, 0.0], [2.0, -3.0, 4.0]])
+    mask = torch.tensor([[False, True, False], [True, True, True]])
+    expected = whiten(padded, mask)
+    assert got[0].tolist()[0] == 0.0  # untrained token
+    assert torch.allclose(got[0], expected[0, :2], atol=1e-6) and torch.allclose(got[1], expected[1], atol=1e-6)

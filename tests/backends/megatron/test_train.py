@@ -55,5 +55,6 @@ def test_dynamic_batching_equals_fixed_micro_batches(parity):
     dynamic, fixed = parity["policy dynamic batch size"], parity["policy fixed micro-batches (dynamic's twin)"]
     # max_tokens_per_gpu 24 packs the 6 samples (lengths 10, 11, 11, 11, 5, 14) into 4 micro-batches
     assert dynamic["metrics"]["num_microbatches"] == 4 and fixed["metrics"]["num_microbatches"] == 3
+    assert dynamic["metrics"]["max_microbatch_tokens"] <= 24 < fixed["metrics"]["max_microbatch_tokens"]
     assert fixed["gap_to_dynamic"] < 1e-6, fixed  # same update within fp32 rounding
     assert abs(dynamic["megatron_loss"] - fixed["megatron_loss"]) < 1e-6

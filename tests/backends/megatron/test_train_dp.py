@@ -25,8 +25,21 @@ def runs(tiny_kit, tmp_path_factory):
     return out, single, double, initial
 
 
+def test_advantage_whitening_over_dp(runs):
+    _, single, double, _ = runs
+    one = single[0][0]["advantages"]
+    two = double[0][0]["advantages"] + double[1][0]["advantages"]  # ranks hold samples 0-3 and 4-5
+    assert [len(a) for a in one] == [len(a) for a in two] == [6, 2, 8, 5, 3, 7]
+    flat_one, flat_two = sum(one, []), sum(two, [])
+    assert max(abs(a - b) for a, b in zip(flat_one, flat_two, strict=True)) < 1e-6
+    trained = [a for row in one for a in row[1:]]  # token 0 of every sample is untrained (0)
+    assert all(row[0] == 0.0 for row in one)
+    assert abs(sum(trained) / len(trained)) < 1e-6  # whitened: mean 0 over all ranks' trained tokens
+
+
 def test_two_ranks_equal_one_rank(runs):
     out, single, double, initial = runs
+    single, double = [r[1:] for r in single], [r[1:] for r in double]  # r[0] is the whitening row
     assert len(single[0]) == 3 and len(double[0]) == len(double[1]) == 3
     for one, zero_of_two, one_of_two in zip(single[0], double[0], double[1], strict=True):
         slug = one["slug"]
