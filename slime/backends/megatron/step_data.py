@@ -108,7 +108,21 @@ def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainAr
                       old_values=column("old_values"))
 
 
-def split_rows(values: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-    """`[b, R]` padded rows back to per-sample 1-D tensors of their response lengths (on CPU)."""
+def stack_rows(samples: list[Sample], rows: list[PerSample] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-sample response arrays as the `[B, T]` layout of `slime.algorithms` (T = longest response),
+    with the mask of trained tokens (`loss_mask`); `rows=None` gives the mask alone."""
+    width = max((s.response_length for s in samples), default=0)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for row, s in enumerate(samples):
+        mask[row, : s.response_length] = (torch.tensor(s.loss_mask, dtype=torch.bool) if s.loss_mask is not None
+                                          else True)
+    if rows is None:
+        return None, mask
+    return _rows([(value, s.response_length) for value, s in zip(rows, samples, strict=True)], width,
+                 torch.device("cpu")), mask
+
+
+def split_rows(values: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
+    """`[B, T]` rows back to per-sample 1-D float32 CPU tensors of each response's length."""
     values = values.detach().float().cpu()
-    return [values[row, : int(n)].clone() for row, n in enumerate(lengths.tolist())]
+    return [values[row, : s.response_length].clone() for row, s in enumerate(samples)]

@@ -87,3 +87,14 @@ def test_whiten_over_dp_on_one_rank_equals_whiten():
     expected = whiten(padded, mask)
     assert got[0].tolist()[0] == 0.0  # untrained token
     assert torch.allclose(got[0], expected[0, :2], atol=1e-6) and torch.allclose(got[1], expected[1], atol=1e-6)
+
+
+def test_stack_and_split_rows():
+    from slime.backends.megatron.step_data import split_rows, stack_rows
+
+    xs = samples()
+    padded, mask = stack_rows(xs, [[1.0, 2.0], torch.tensor([3.0, 4.0, 5.0])])
+    assert padded.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]
+    assert mask.tolist() == [[False, True, False], [True, True, True]]
+    assert [r.tolist() for r in split_rows(padded * 2, xs)] == [[2.0, 4.0], [6.0, 8.0, 10.0]]
+    assert stack_rows(xs)[0] is None
