@@ -6,7 +6,7 @@
 
 Adam with warmup + cosine (fp32, CPU) on random tokens. After every step (and right after the save /
 the load) it prints one JSON line: sha256 of the weights and of the optimizer state, the learning
-rate, and draws from python `random`, numpy and torch made at that point.
+rate, and draws from python `random`, numpy and torch (CPU, and CUDA when present) made at that point.
 """
 
 import argparse
@@ -63,6 +63,8 @@ def optimizer_digest(optimizer) -> str:
 
 def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None:
     draws = [random.random(), float(np.random.rand()), torch.rand(1).item()]
+    if torch.cuda.is_available():
+        draws.append(torch.rand(1, device="cuda").item())
     print(json.dumps({"rank": rank, "step": step, "where": where, "weights": digest(models[0].parameters()),
                       "optimizer": optimizer_digest(optimizer), "lr": optimizer.param_groups[0]["lr"],
                       "draws": draws, **extra}), flush=True)
@@ -70,6 +72,8 @@ def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None
 
 def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2):
     rank, world, init_method = rank_env()
+    if torch.cuda.is_available():  # bit-exactness on a GPU also needs deterministic kernels
+        torch.use_deterministic_algorithms(True)
     init_megatron(seed=7, rank=rank, world_size=world, init_method=init_method)
     config = load_config(None, ["--lr", str(lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
