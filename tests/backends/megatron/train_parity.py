@@ -107,7 +107,7 @@ def hf_step(hf_dir: str, samples: list[Sample], s: StepSettings, arrays: TrainAr
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, float(loss)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, float(loss.detach())
 
 
 def build(hf_dir: str):
