@@ -30,7 +30,7 @@ from slime.data.tiny import make_tiny_kit
 from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.client import EngineClient
 from slime.engines.router import SGLangRouter
-from slime.rollout import generate_rollout
+from slime.rollout import generate_rollout, rollout_args
 from slime.rollout.generate import load_tokenizer, sampling_params_from_args
 
 
@@ -40,9 +40,7 @@ def make_args(kit, router, store: str, opts: argparse.Namespace):
     nested: dict = {}
     for name, value in fields.items():
         nested.setdefault(FIELD_SECTION[name], {})[name] = value
-    args = Config.model_validate(nested).as_namespace()
-    args.sglang_router_ip, args.sglang_router_port = router.host, router.port
-    return args
+    return rollout_args(Config.model_validate(nested), router)
 
 
 def run_rollout(args, data_source, rollout_id: int) -> tuple[float, int, int]:

@@ -12,6 +12,7 @@ from slime.rollout.filters import (
     check_reward_nonzero_std_with_fallback,
 )
 from slime.rollout.hooks import check_rollout_plugins
+from slime.rollout.http import rollout_args
 from slime.rollout.outputs import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.rollout import generate_rollout, generate_rollout_async
 from slime.rollout.state import RolloutEngineError
@@ -27,4 +28,5 @@ __all__ = [
     "eval_rollout",
     "generate_rollout",
     "generate_rollout_async",
+    "rollout_args",
 ]

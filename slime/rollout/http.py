@@ -85,3 +85,13 @@ async def abort_all(client: EngineClient, urls: list[str]) -> dict[str, BaseExce
             raise exc
         logger.warning("abort_request to %s failed: %s", u, exc)
     return failed
+
+
+def rollout_args(config: Any, router: Any) -> Any:
+    """slime's flat `args` for plugins: `config.as_namespace()` (every setting, sampling included) with
+    `sglang_router_ip` / `sglang_router_port` of the running `router` (an `SGLangRouter`), so a plugin
+    can call the router itself."""
+    args = config.as_namespace()
+    args.sglang_router_ip = "127.0.0.1" if router.host in ("0.0.0.0", "") else router.host
+    args.sglang_router_port = router.port
+    return args

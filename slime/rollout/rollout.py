@@ -132,9 +132,9 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
                 pending |= {asyncio.create_task(state.generate_group(g, params)) for g in groups}
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for group in sorted((task.result() for task in done), key=_sort_key):
-                all_groups.append(group)
                 kind = group_state(group)
                 if kind == "failed":
+                    all_groups.append(group)
                     counts["failed"] += 1
                     dropped.append(group)
                     failed_in_a_row += 1
@@ -145,8 +145,9 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
                             f"error: {first_error}")
                     continue
                 if kind == "aborted" or len(kept) >= target:  # aborted by someone else, or surplus
-                    leftovers.append(group)
+                    leftovers.append(group)  # sorted out (and listed in all_groups) after the abort
                     continue
+                all_groups.append(group)
                 failed_in_a_row = 0
                 rewards = _reward_value(args, group)
                 if rewards is not None and len(rewards) > 1 and statistics.pstdev(rewards) <= 1e-6:

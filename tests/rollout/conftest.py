@@ -12,6 +12,7 @@ import pytest
 from slime.config import FIELD_SECTION, Config
 from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.router import SGLangRouter
+from slime.rollout import rollout_args
 
 # `examples/` is a top-level directory of the repository, not an installed package: make it importable
 # as `examples.<module>` (plugin paths in the tests name it so, as a user running from the root would).
@@ -61,8 +62,6 @@ def make_args(tiny_kit, cluster):
                     "sglang_server_concurrency": 8}
         for name, value in {**defaults, **fields}.items():
             nested.setdefault(FIELD_SECTION[name], {})[name] = value
-        args = Config.model_validate(nested).as_namespace()
-        args.sglang_router_ip, args.sglang_router_port = router.host, router.port
-        return args
+        return rollout_args(Config.model_validate(nested), router)
 
     return make

@@ -62,3 +62,20 @@ async def generate_too_long(args, sample, sampling_params):
 async def rm_first_of_four(args, sample: Sample) -> float:
     """Exactly one correct sample in every 4 consecutive indices: pass@1 = 0.25, pass@2 = 0.5, pass@4 = 1."""
     return 1.0 if sample.index % 4 == 0 else 0.0
+
+
+async def generate_with_own_client(args, sample: Sample, sampling_params):
+    """A plugin that calls the router itself, from `args` alone (as slime plugins do)."""
+    import httpx
+
+    from slime.rollout.multiturn import append_model_output
+
+    sample.tokens = sample.tokens or [49, 43, 50, 61]
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+        reply = await client.post(url, json={"input_ids": sample.tokens, "sampling_params": sampling_params,
+                                             "return_logprob": True})
+    reply.raise_for_status()
+    append_model_output(args, sample, reply.json())
+    sample.metadata["seen"] = {"temperature": args.rollout_temperature, "params": dict(sampling_params)}
+    return sample

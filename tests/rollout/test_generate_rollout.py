@@ -174,3 +174,15 @@ def test_sampling_params_come_from_the_config(make_args):
     assert ev["temperature"] == 0.1 and ev["max_new_tokens"] == 3 and ev["top_p"] == 0.9
 
 
+
+
+def test_plugins_reach_the_router_and_sampling_settings_through_args(make_args, tiny_kit):
+    args = make_args(rollout_batch_size=2, rollout_temperature=0.7, rollout_max_response_len=4,
+                     custom_generate_function_path="rollout_plugins.generate_with_own_client",
+                     custom_rm_path="rollout_plugins.rm_one")
+    out = generate_rollout(args, 0, source(tiny_kit, args))
+    for s in (s for g in out.samples for s in g):
+        assert s.metadata["seen"]["temperature"] == 0.7
+        assert s.metadata["seen"]["params"]["temperature"] == 0.7
+        assert s.metadata["seen"]["params"]["max_new_tokens"] == 4
+        assert 1 <= s.response_length <= 4 and len(s.rollout_log_probs) == s.response_length
