@@ -39,3 +39,10 @@ def test_value_step_matches_hand_written_step(rows):
 def test_value_training_lowers_value_loss(rows):
     losses = rows["value training"]["losses"]
     assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_critic_checkpoint_resumes_exactly(rows):
+    row = rows["critic checkpoint"]
+    assert row["fresh_gap"] > 1e-3, row  # a fresh critic (new random head) differs...
+    assert row["loaded_gap"] == 0.0, row  # ...until it loads the checkpoint
+    assert row["resumed_loss"] == row["next_loss"], row  # optimizer state restored: the same next step

@@ -6,6 +6,7 @@ written by hand on the HF backbone, and a few value steps lowering the value los
 
 import json
 import sys
+import tempfile
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from slime.algorithms.policy_loss import value_loss
 from slime.algorithms.reduce import sample_mean
 from slime.backends.megatron.bridge import init_megatron, make_bridge
+from slime.backends.megatron.checkpoint import iteration_dir, load_checkpoint, save_checkpoint
 from slime.backends.megatron.critic import build_critic, compute_values
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
@@ -111,6 +113,26 @@ def main() -> None:
                                                                    value_clip=10.0), vocab_size=bridge.hf_config.vocab_size,
                          arrays=targets)["value_loss"] for _ in range(6)]
     print(json.dumps({"case": "value training", "losses": losses}), flush=True)
+
+    # the critic (value head included) survives a torch_dist checkpoint: a fresh critic with a new
+    # random head loads it and takes the identical next step
+    value_settings = StepSettings(loss_type="value_loss", micro_batch_size=3, value_clip=10.0)
+    with tempfile.TemporaryDirectory() as save:
+        save_checkpoint(critic, save, 6, optimizer=optimizer)
+        before = compute_values(critic, samples)
+        next_loss = train_step(critic, optimizer, samples, value_settings, vocab_size=bridge.hf_config.vocab_size,
+                               arrays=targets)["value_loss"]
+        restored = build_critic(bridge)
+        restored_optimizer = build_optimizer(restored, lr=3e-4, clip_grad=1.0)
+        fresh = compute_values(restored, samples)
+        load_checkpoint(restored, iteration_dir(save, 6), restored_optimizer)
+        loaded = compute_values(restored, samples)
+        resumed_loss = train_step(restored, restored_optimizer, samples, value_settings,
+                                  vocab_size=bridge.hf_config.vocab_size, arrays=targets)["value_loss"]
+    print(json.dumps({"case": "critic checkpoint", "next_loss": next_loss, "resumed_loss": resumed_loss,
+                      "loaded_gap": max((a - b).abs().max().item() for a, b in zip(before, loaded, strict=True)),
+                      "fresh_gap": max((a - b).abs().max().item() for a, b in zip(before, fresh, strict=True))}),
+          flush=True)
 
 
 if __name__ == "__main__":
