@@ -1,0 +1,240 @@
+"""One Ray placement group for the whole RL run, and which bundle each train rank and engine gets.
+
+Layout (slime's `slime/ray/placement_group.py`, re-derived): one bundle per GPU, `{"GPU": 1, "CPU": 1}`,
+or `{"CPU": 1}` when the Ray cluster has no GPU at all (CPU mode: same layout, CPU bundles).
+
+    decoupled   bundles = train + rollout; train ranks on bundles [0, train), engines after them
+    colocate    bundles = max(train, rollout); train ranks and engines both start at bundle 0
+
+with train = actor_num_nodes x actor_num_gpus_per_node and rollout = rollout_num_gpus (None: the train
+count when colocated, one engine's worth otherwise), cut into engines of rollout_num_gpus_per_engine.
+Train actors take 0.4 of their bundle (so a colocated engine and the rollout manager fit beside them);
+the rollout manager takes 0.1 CPU of the first engine's bundle and starts the engine servers itself,
+with `CUDA_VISIBLE_DEVICES` set to the GPUs of each engine's bundles (found by probing the bundles, in
+(node, GPU id) order as slime sorts them). Departure from slime: engines are processes of the rollout
+manager, not Ray actors, so all engine bundles must sit on the rollout manager's node.
+
+`RayCluster` joins `cluster.ray_address` or starts a private local Ray (own temp dir, dashboard off,
+`RAY_AUTH_MODE=disabled` unless the environment says otherwise) and shuts down only what it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+TRAIN_SHARE = 0.4  # of a bundle's GPU and CPU, per train actor
+MANAGER_CPU = 0.1  # of the first engine's bundle, for the rollout manager
+PROBE_SHARE = 0.01
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # only URIs and small dicts travel through Ray
+
+
+class PlacementError(ConfigError):
+    """The Ray cluster cannot hold the requested placement; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Which logical bundle serves which train rank and which engine (pure logic, no Ray)."""
+
+    colocate: bool
+    use_gpu: bool
+    num_bundles: int
+    train_bundles: list[int]
+    engine_bundles: list[list[int]]
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
+
+    def describe(self) -> str:
+        mode = "colocate" if self.colocate else "decoupled"
+        kind = "GPU" if self.use_gpu else "CPU"
+        return (f"{mode}, {self.num_bundles} {kind} bundles: {len(self.train_bundles)} train ranks, "
+                f"{len(self.engine_bundles)} engines of {len(self.engine_bundles[0]) if self.engine_bundles else 0}")
+
+
+def plan_placement(cluster: Any, use_gpu: bool) -> PlacementPlan:
+    """The bundle layout that `cluster` (a `ClusterConfig`) asks for (see the module docstring)."""
+    train = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+    per_engine = cluster.rollout_num_gpus_per_engine
+    rollout = cluster.rollout_num_gpus
+    if rollout is None:
+        rollout = train if cluster.colocate else per_engine
+    if rollout % per_engine:
+        raise ConfigError(f"cluster.rollout_num_gpus {rollout} is not a multiple of rollout_num_gpus_per_engine "
+                          f"{per_engine}")
+    if cluster.colocate:
+        num_bundles, offset = max(train, rollout), 0
+    else:
+        num_bundles, offset = train + rollout, train
+    engines = [list(range(offset + e * per_engine, offset + (e + 1) * per_engine)) for e in range(rollout // per_engine)]
+    return PlacementPlan(colocate=cluster.colocate, use_gpu=use_gpu, num_bundles=num_bundles,
+                         train_bundles=list(range(train)), engine_bundles=engines)
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+@dataclass
+class RayCluster:
+    """A connection to Ray: a joined cluster (`address`) or a local one this process started."""
+
+    address: str | None = None
+    started: bool = False
+    temp_dir: str | None = None
+
+    @classmethod
+    def connect(cls, cluster: Any, *, num_cpus: int | None = None, num_gpus: int | None = None) -> RayCluster:
+        """Join `cluster.ray_address` (a `ClusterConfig`), or start a private local cluster with `num_gpus`
+        (default: this machine's; fake GPUs work for placement tests) and `num_cpus` (default: enough
+        logical CPUs for the placement plus the rollout manager, at least this machine's cores)."""
+        import ray
+
+        if ray.is_initialized():
+            raise ConfigError("Ray is already initialised in this process; call RayCluster.connect once "
+                              "(and shutdown() the previous one)")
+        address = cluster.ray_address
+        t0 = time.monotonic()
+        if address:
+            ray.init(address=address, log_to_driver=False)
+            logger.info("joined the Ray cluster at %s in %.1f s", address, time.monotonic() - t0)
+            return cls(address=address)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private dev cluster (research/prefect.md)
+        temp_dir = tempfile.mkdtemp(prefix="slime-ray-", dir="/tmp")  # short: Ray's socket paths are limited
+        if num_gpus is None:
+            import torch
+
+            num_gpus = torch.cuda.device_count()
+        if num_cpus is None:
+            num_cpus = max(os.cpu_count() or 1, plan_placement(cluster, use_gpu=num_gpus > 0).num_bundles + 1)
+        try:
+            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir,
+                     include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        logger.info("started a local Ray cluster (%s CPUs, %s GPUs, temp dir %s) in %.1f s", num_cpus, num_gpus,
+                    temp_dir, time.monotonic() - t0)
+        return cls(started=True, temp_dir=temp_dir)
+
+    def shutdown(self) -> None:
+        """Disconnect; a local cluster this process started is stopped and its temp dir removed."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # stops only the processes of the cluster this driver started
+        if self.started and self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- placement group
+
+
+@dataclass
+class Placement:
+    """The created placement group and, per logical bundle, its (physical index, node IP, GPU ids)."""
+
+    plan: PlacementPlan
+    group: Any
+    bundles: list[tuple[int, str, list[int]]] = field(default_factory=list)
+
+    def _strategy(self, logical: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                placement_group_bundle_index=self.bundles[logical][0])
+
+    def train_options(self, rank: int) -> dict[str, Any]:
+        """Ray actor options of train rank `rank`: its share of its bundle."""
+        gpus = TRAIN_SHARE if self.plan.use_gpu else 0
+        return {"num_cpus": TRAIN_SHARE, "num_gpus": gpus,
+                "scheduling_strategy": self._strategy(self.plan.train_bundles[rank])}
+
+    def manager_options(self) -> dict[str, Any]:
+        """Ray actor options of the rollout manager: a little CPU in the first engine's bundle."""
+        logical = self.plan.engine_bundles[0][0] if self.plan.engine_bundles else 0
+        return {"num_cpus": MANAGER_CPU, "num_gpus": 0, "scheduling_strategy": self._strategy(logical)}
+
+    def engine_devices(self) -> list[list[int]]:
+        """GPU ids (as the node numbers them) of each engine; empty lists in CPU mode."""
+        return [[gpu for b in engine for gpu in self.bundles[b][2]] for engine in self.plan.engine_bundles]
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def _check_fits(plan: PlacementPlan) -> None:
+    """Refuse, naming the numbers, a plan that the cluster's totals cannot hold."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    for resource, need in plan.bundle.items():
+        need_total = need * plan.num_bundles
+        if total.get(resource, 0) < need_total:
+            raise PlacementError(
+                f"placement ({plan.describe()}) needs {need_total:g} {resource} but the Ray cluster has "
+                f"{total.get(resource, 0):g} ({free.get(resource, 0):g} free); lower actor_num_nodes x "
+                "actor_num_gpus_per_node / rollout_num_gpus, use colocate, or add nodes")
+
+
+def _probe(placement: Placement, timeout_s: float) -> list[tuple[int, str, list[int]]]:
+    """(physical index, node IP, GPU ids) of every bundle, sorted by node and first GPU id."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote
+    def where() -> tuple[str, list[int]]:
+        return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+
+    extra = {"num_gpus": PROBE_SHARE} if placement.plan.use_gpu else {}
+    refs = [where.options(num_cpus=PROBE_SHARE, **extra, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=placement.group, placement_group_bundle_index=i)).remote()
+        for i in range(placement.plan.num_bundles)]
+    found = ray.get(refs, timeout=timeout_s)
+    rows = [(i, ip, gpus) for i, (ip, gpus) in enumerate(found)]
+    return sorted(rows, key=lambda row: (row[1], row[2][0] if row[2] else row[0]))
+
+
+def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
+    """Create the placement group for `cluster` (a `ClusterConfig`) in the connected Ray cluster.
+
+    Raises `PlacementError` when the cluster is too small, or the group is not ready in `timeout_s`
+    (e.g. the GPUs exist but are held by others), naming requested and available resources.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    plan = plan_placement(cluster, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
+    _check_fits(plan)
+    group = placement_group([plan.bundle] * plan.num_bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise PlacementError(f"placement ({plan.describe()}) was not granted within {timeout_s:.0f} s; free "
+                             f"resources now: {ray.available_resources()}") from None
+    placement = Placement(plan=plan, group=group)
+    if plan.use_gpu:
+        placement.bundles = _probe(placement, timeout_s)
+    else:  # CPU bundles are interchangeable: no probe
+        placement.bundles = [(i, "", []) for i in range(plan.num_bundles)]
+    if plan.engine_bundles:
+        nodes = {placement.bundles[b][1] for engine in plan.engine_bundles for b in engine}
+        if len(nodes) > 1:
+            placement.remove()
+            raise PlacementError(f"the {len(plan.engine_bundles)} engines' bundles span nodes {sorted(nodes)}; "
+                                 "engines run as processes of the rollout manager, so they must fit on one node")
+    logger.info("placement group ready: %s", plan.describe())
+    return placement

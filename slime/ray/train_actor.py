@@ -1,0 +1,370 @@
+"""One Megatron rank of the policy trainer, run as a Ray actor (`TrainGroup` starts one per rank).
+
+Per rollout (`train`), each rank:
+
+1. reads the rollout's shard set from the store (every rank reads it all: it is small, and the group
+   reward normalisation needs whole groups), normalises rewards per group (`slime.algorithms.rewards`);
+2. cuts the batch into `steps` optimizer steps of `global_batch_size` samples (or `num_steps_per_rollout`
+   equal steps; a remainder is dropped, as in slime) and takes every dp-th sample of each step;
+3. computes, over its share, the old log-probs (always: they are the ratio's denominator when a rollout
+   has several steps, and give the train-vs-rollout log-prob gap), the reference log-probs when KL is
+   used (`use_kl_loss` or `kl_coef`; the reference is a second, frozen model), then advantages
+   (`compute_advantages`, `whiten_over_dp` with `normalize_advantages`);
+4. runs `train_step` per step and returns the mean of the steps' global metrics with slime's names.
+
+Weights at `init`: the newest committed checkpoint under `save` (a resume: full training state, next
+rollout id = its iteration + 1), else `load` (a full RL checkpoint resumes; a model-only one, e.g. a
+conversion or SFT output, only gives weights), else `ref_load`, else the HF checkpoint. Checkpoint
+iteration = rollout id. Everything returned is a small JSON-able dict. Departures from slime: the
+reference is a separate model rather than a CPU copy swapped in; old log-probs are never skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from slime.config import Config
+from slime.errors import ConfigError, DataFormatError
+
+logger = logging.getLogger(__name__)
+
+STAGE = "rl"
+
+
+def steps_per_rollout(config: Config, num_samples: int) -> int:
+    """Optimizer steps a rollout of `num_samples` samples is cut into."""
+    t = config.train
+    if t.num_steps_per_rollout:
+        return t.num_steps_per_rollout
+    if t.global_batch_size:
+        if num_samples < t.global_batch_size:
+            raise DataFormatError(f"the rollout has {num_samples} samples, fewer than global_batch_size "
+                                  f"{t.global_batch_size}")
+        return num_samples // t.global_batch_size
+    return 1
+
+
+def total_train_steps(config: Config) -> int | None:
+    """Optimizer steps of the whole run (the LR schedule's length), when num_rollout is known."""
+    r = config.rollout
+    if not r.num_rollout or not r.rollout_batch_size:
+        return None
+    return r.num_rollout * steps_per_rollout(config, r.rollout_batch_size * r.n_samples_per_prompt)
+
+
+def rank_share(samples: list[Any], steps: int, rank: int, world_size: int) -> list[list[Any]]:
+    """This rank's samples of each step: step k is `samples[k*G:(k+1)*G]`, rank r takes every
+    world_size-th sample of it starting at r."""
+    size = len(samples) // steps
+    if size % world_size:
+        raise ConfigError(f"{size} samples per optimizer step cannot be split over {world_size} data-parallel "
+                          "ranks; make global_batch_size (or the rollout size / num_steps_per_rollout) a multiple "
+                          "of the number of train actors")
+    return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({name for row in rows for name in row})
+    return {name: sum(row.get(name, 0.0) for row in rows) / len(rows) for name in names}
+
+
+class TrainActor:
+    """A Megatron rank: `init`, `train`, `save`, `offload`/`onload`, `update_weights`.
+
+    Construct with the config as a JSON dict (`Config.model_dump(mode="json")`), this rank and the
+    world size; rank 0's `init_method()` gives the address every rank passes to `init`.
+    """
+
+    def __init__(self, config: dict[str, Any], rank: int, world_size: int) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.config = Config.model_validate(config)
+        self.rank, self.world_size = rank, world_size
+        self.models: list[Any] = []
+        self.ref_models: list[Any] | None = None
+        self.loaded_extra_state: dict[str, Any] = {}
+        self.offloaded = False
+
+    def init_method(self) -> str:
+        """`tcp://IP:PORT` on this actor's node, for torch.distributed (called on rank 0)."""
+        import ray
+
+        from slime.engines.process import find_free_port
+
+        ip = ray.util.get_node_ip_address()
+        return f"tcp://{ip}:{find_free_port('0.0.0.0')}"
+
+    def init(self, init_method: str) -> int:
+        """Join the process group, build model/optimizer/scheduler, load weights; the first rollout id."""
+        from transformers import AutoTokenizer
+
+        from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+        from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
+        from slime.convert import megatron_dtype
+
+        c = self.config
+        c.require("checkpoint.hf_checkpoint", stage=STAGE)
+        if c.algorithm.advantage_estimator == "ppo":
+            raise ConfigError("algorithm.advantage_estimator 'ppo' needs a critic, which the Ray train group does "
+                              "not run yet; use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
+        if c.algorithm.loss_type != "policy_loss":
+            raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
+                              "policy_loss only")
+        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method)
+        hf_dir = c.checkpoint.hf_checkpoint
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        self.bridge = make_bridge(hf_dir, megatron_dtype(c))
+        self.models = build_model(self.bridge, wrap_with_ddp=True,
+                                  use_distributed_optimizer=c.train.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer_and_scheduler(self.models, c, total_train_steps(c))
+        start = self._load_weights()
+        if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
+            self.ref_models = build_model(self.bridge)
+            self._load_reference()
+        return start
+
+    def _load_weights(self) -> int:
+        from slime.backends.megatron.checkpoint import (
+            latest_checkpoint,
+            load_checkpoint,
+            load_model_checkpoint,
+            read_checkpoint_manifest,
+        )
+        from slime.export import resolve_checkpoint
+
+        ck = self.config.checkpoint
+        resume = latest_checkpoint(ck.save) if ck.save else None
+        if resume is None and ck.load:
+            path = resolve_checkpoint(ck.load)
+            meta = read_checkpoint_manifest(path).metadata
+            if meta.get("stage") == STAGE and meta.get("training_state"):
+                resume = path
+            else:
+                load_model_checkpoint(self.models, path)
+                logger.info("rank %d: weights from %s (model only)", self.rank, path)
+                return 0
+        if resume is not None:
+            stage = read_checkpoint_manifest(resume).metadata.get("stage")
+            if stage != STAGE:
+                raise ConfigError(f"{resume} is a checkpoint of stage {stage!r}, not an RL checkpoint: give RL its "
+                                  "own --save directory and pass the other checkpoint as --load or --ref-load")
+            state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler)
+            self.loaded_extra_state = state.extra_state
+            logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
+            return state.iteration + 1
+        if ck.ref_load:
+            load_model_checkpoint(self.models, resolve_checkpoint(ck.ref_load))
+        else:
+            self.bridge.load_weights(self.models, ck.hf_checkpoint)
+        return 0
+
+    def _load_reference(self) -> None:
+        from slime.backends.megatron.checkpoint import load_model_checkpoint
+        from slime.export import resolve_checkpoint
+
+        ck = self.config.checkpoint
+        if ck.ref_load:
+            load_model_checkpoint(self.ref_models, resolve_checkpoint(ck.ref_load))
+        else:
+            self.bridge.load_weights(self.ref_models, ck.hf_checkpoint)
+        for model in self.ref_models:
+            model.eval()
+
+    def extra_state(self) -> dict[str, Any]:
+        """The `extra_state` of the checkpoint `init` resumed from ({} when it did not resume)."""
+        return self.loaded_extra_state
+
+    # ------------------------------------------------------------------------- train
+
+    def train(self, rollout_id: int, uri: str) -> dict[str, float]:
+        """Train on the rollout shard set at `uri`; global metrics (identical on every rank)."""
+        import torch
+
+        from slime.backends.megatron.train import StepSettings, train_step
+        from slime.storage import read_samples
+
+        c = self.config
+        t0 = time.monotonic()
+        samples = read_samples(uri, c.run.storage_options or None)
+        if not samples:
+            raise DataFormatError(f"{uri}: the rollout shard set holds no samples")
+        rewards = self._normalized_rewards(samples, uri)
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.metadata["normalized_reward"] = reward
+        steps = steps_per_rollout(c, len(samples))
+        shares = rank_share(samples, steps, self.rank, self.world_size)
+        mine = [s for share in shares for s in share]
+        t1 = time.monotonic()
+        arrays, stats = self._arrays(mine)
+        t2 = time.monotonic()
+        settings = StepSettings.from_config(c)
+        rows, start = [], 0
+        vocab = self.bridge.hf_config.vocab_size
+        pad = self.tokenizer.pad_token_id or 0
+        for share in shares:
+            part = _slice_arrays(arrays, start, start + len(share))
+            start += len(share)
+            rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
+                                   pad_token_id=pad, arrays=part))
+            self.scheduler.step(1)
+        t3 = time.monotonic()
+        metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
+        metrics.update(stats)
+        metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
+                        "rollout/raw_reward": float(torch.tensor([s.get_reward_value(c.as_namespace())
+                                                                  for s in samples]).mean()),
+                        "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
+                        "perf/train_time": t3 - t0, "rollout_id": float(rollout_id)})
+        logger.info("rank %d rollout %d: %d steps, loss %.4f, grad_norm %.4f, %.2f s", self.rank, rollout_id,
+                    steps, metrics.get("train/loss", math.nan), metrics.get("train/grad_norm", math.nan), t3 - t0)
+        return metrics
+
+    def _normalized_rewards(self, samples: list[Any], uri: str) -> list[float]:
+        """Group-normalised scalar rewards of the whole batch (every rank computes the same)."""
+        import torch
+
+        from slime.algorithms.rewards import group_normalization_for, normalize_group_rewards
+
+        c = self.config
+        n = c.rollout.n_samples_per_prompt
+        if len(samples) % n:
+            raise DataFormatError(f"{uri}: {len(samples)} samples is not a whole number of groups of "
+                                  f"n_samples_per_prompt={n}")
+        for g in range(0, len(samples), n):
+            if len({s.group_index for s in samples[g:g + n]}) != 1:
+                raise DataFormatError(f"{uri}: samples {g}..{g + n - 1} are not one group (group_index differs); "
+                                      "the rollout must store groups contiguously")
+        args = c.as_namespace()
+        raw = torch.tensor([float(s.get_reward_value(args)) for s in samples], dtype=torch.float32)
+        how = group_normalization_for(c.algorithm.advantage_estimator, n,
+                                      disable_rewards_normalization=c.algorithm.disable_rewards_normalization,
+                                      disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
+        return normalize_group_rewards(raw, n, **how._asdict()).tolist()
+
+    def _arrays(self, mine: list[Any]) -> tuple[Any, dict[str, float]]:
+        """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics."""
+        import torch
+
+        from slime.algorithms.advantages import compute_advantages
+        from slime.algorithms.kl import compute_approx_kl
+        from slime.backends.megatron.logprobs import compute_log_probs
+        from slime.backends.megatron.step_data import TrainArrays, split_rows, stack_rows
+        from slime.backends.megatron.whiten import whiten_over_dp
+
+        c, a, t = self.config, self.config.algorithm, self.config.train
+        batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
+                        micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
+                        max_tokens_per_gpu=t.max_tokens_per_gpu, pad_token_id=self.tokenizer.pad_token_id or 0)
+        old = compute_log_probs(self.models, mine, **batching).log_probs
+        ref = compute_log_probs(self.ref_models, mine, **batching).log_probs if self.ref_models else None
+        old_padded, mask = stack_rows(mine, old)
+        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens
+        sums = torch.zeros(6, dtype=torch.float64)
+        kl = torch.zeros_like(old_padded)
+        if ref is not None:
+            kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
+            sums[2] = float(kl[mask].sum())
+        sums[3], sums[5] = float(old_padded[mask].sum()), float(mask.sum())
+        for sample, logp in zip(mine, old, strict=True):
+            if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length:
+                m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
+                diff = (logp - torch.tensor(sample.rollout_log_probs, dtype=torch.float32)).abs()
+                sums[0] += float(diff[m].sum())
+                sums[1] += float(m.sum())
+        rewards = torch.tensor([s.metadata["normalized_reward"] for s in mine], dtype=torch.float32)
+        advantages, _ = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
+                                           gamma=a.gamma, lambd=a.lambd)
+        per_sample = split_rows(advantages, mine)
+        if a.normalize_advantages:
+            per_sample = whiten_over_dp(mine, per_sample)
+        sums[4] = float(sum(float(adv[torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.bool)].sum())
+                            for s, adv in zip(mine, per_sample, strict=True)))
+        _all_reduce(sums)
+        tokens = max(float(sums[5]), 1.0)
+        stats = {"rollout/log_probs": float(sums[3]) / tokens, "rollout/advantages": float(sums[4]) / tokens}
+        if sums[1] > 0:
+            stats["train/train_rollout_logprob_abs_diff"] = float(sums[0] / sums[1])
+        if ref is not None:
+            stats["rollout/kl"] = float(sums[2]) / tokens
+        return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    # ------------------------------------------------------------------------- checkpoints, memory, sync
+
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> str:
+        """Commit checkpoint iteration `rollout_id` under `save` (collective); its path."""
+        from slime.backends.megatron.bridge import checkpoint_metadata
+        from slime.backends.megatron.checkpoint import iteration_dir, save_checkpoint
+
+        ck = self.config.checkpoint
+        self.config.require("checkpoint.save", stage=STAGE)
+        full = not ck.no_save_optim
+        save_checkpoint(self.models, ck.save, rollout_id, optimizer=self.optimizer if full else None,
+                        scheduler=self.scheduler if full else None, extra_state=extra_state or {},
+                        metadata={**checkpoint_metadata(self.bridge, ck.hf_checkpoint), "stage": STAGE},
+                        config_hash=self.config.section_hash("train", "algorithm", "checkpoint", "megatron"),
+                        fully_reshardable=ck.dist_ckpt_optim_fully_reshardable)
+        return iteration_dir(ck.save, rollout_id)
+
+    def offload(self) -> dict[str, Any]:
+        """Move model and optimizer state to CPU (megatron-core's own offload); a no-op on CPU."""
+        import torch
+
+        if not torch.cuda.is_available() or self.offloaded:
+            return {"offloaded": self.offloaded, "device": "cpu" if not torch.cuda.is_available() else "cuda"}
+        for model in self.models:
+            for buffer in [*model.buffers, *model.expert_parallel_buffers]:
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+        self.optimizer.offload_to_cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+        return {"offloaded": True, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated()}
+
+    def onload(self) -> dict[str, Any]:
+        """Bring model and optimizer state back to the GPU after `offload`; a no-op on CPU."""
+        import torch
+
+        if not self.offloaded:
+            return {"offloaded": False}
+        for model in self.models:
+            for buffer in [*model.buffers, *model.expert_parallel_buffers]:
+                buffer.reload_from_cpu(move_params=True, move_grads=True)
+        self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self.offloaded = False
+        return {"offloaded": False, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated()}
+
+    def update_weights(self, **kwargs: Any) -> dict[str, Any]:
+        """The weight-sync hook: `slime.sync.sync_weights(models=, bridge=, config=, rank=, world_size=,
+        **kwargs)` on this rank (kwargs: engine URLs, weight version, ... as slime.sync defines them)."""
+        try:
+            from slime.sync import sync_weights
+        except ImportError as exc:
+            raise ConfigError(f"weight sync is not available: {exc}") from None
+        t0 = time.monotonic()
+        result = sync_weights(models=self.models, bridge=self.bridge, config=self.config, rank=self.rank,
+                              world_size=self.world_size, **kwargs)
+        out = dict(result) if isinstance(result, dict) else {}
+        out.setdefault("perf/sync_time", time.monotonic() - t0)
+        return out
+
+
+def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:
+    from dataclasses import fields, replace
+
+    return replace(arrays, **{f.name: getattr(arrays, f.name)[start:stop] for f in fields(arrays)
+                              if getattr(arrays, f.name) is not None})
+
+
+def _all_reduce(values: Any) -> None:
+    """Sum a CPU tensor over the data-parallel group in place (through the GPU under NCCL)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() > 1:
+        on = values.cuda() if torch.cuda.is_available() else values
+        dist.all_reduce(on, group=parallel_state.get_data_parallel_group())
+        values.copy_(on.cpu())

@@ -1,0 +1,86 @@
+"""The train actor group: one `TrainActor` (a Megatron rank) per train bundle, called all together.
+
+Every method calls all ranks and waits for them (a collective on the trainer side); results are the
+ranks' small dicts, and since train metrics are global values every rank returns the same, the group
+returns rank 0's. Rank 0 chooses the torch.distributed address (`tcp://its-node-ip:free-port`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from slime.config import Config
+from slime.errors import SlimeError
+from slime.ray.placement import Placement
+from slime.ray.train_actor import TrainActor
+
+logger = logging.getLogger(__name__)
+
+
+class TrainGroupError(SlimeError, RuntimeError):
+    """The ranks of a train group disagree (e.g. on the rollout id to start from)."""
+
+
+class TrainGroup:
+    """`world_size` train actors placed on the placement's train bundles (default: all of them)."""
+
+    def __init__(self, config: Config, placement: Placement, world_size: int | None = None) -> None:
+        import ray
+
+        self.world_size = world_size or len(placement.plan.train_bundles)
+        if self.world_size > len(placement.plan.train_bundles):
+            raise TrainGroupError(f"{self.world_size} train ranks asked for, the placement has "
+                                  f"{len(placement.plan.train_bundles)} train bundles")
+        remote = ray.remote(TrainActor)
+        payload = config.model_dump(mode="json")
+        self.actors = [remote.options(**placement.train_options(rank)).remote(payload, rank, self.world_size)
+                       for rank in range(self.world_size)]
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors])
+
+    def init(self) -> int:
+        """Initialise every rank; the rollout id to start from (0, or the resumed checkpoint's + 1)."""
+        import ray
+
+        init_method = ray.get(self.actors[0].init_method.remote())
+        starts = self._all("init", init_method)
+        if len(set(starts)) != 1:
+            raise TrainGroupError(f"train ranks would start at different rollout ids {starts}")
+        logger.info("train group of %d ranks ready (%s), start rollout %d", self.world_size, init_method, starts[0])
+        return starts[0]
+
+    def extra_state(self) -> dict[str, Any]:
+        """The `extra_state` of the checkpoint the group resumed from (rank 0's; {} on a fresh start)."""
+        import ray
+
+        return ray.get(self.actors[0].extra_state.remote())
+
+    def train(self, rollout_id: int, uri: str) -> dict[str, float]:
+        """Train on the rollout shard set `uri`; the global metrics."""
+        return self._all("train", rollout_id, uri)[0]
+
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> str:
+        """Commit checkpoint `rollout_id` (with `extra_state`, e.g. the data-source state); its path."""
+        return self._all("save", rollout_id, extra_state)[0]
+
+    def offload(self) -> list[dict[str, Any]]:
+        return self._all("offload")
+
+    def onload(self) -> list[dict[str, Any]]:
+        return self._all("onload")
+
+    def update_weights(self, **kwargs: Any) -> dict[str, Any]:
+        """Run the weight-sync hook on every rank (see `TrainActor.update_weights`); rank 0's result."""
+        return self._all("update_weights", **kwargs)[0]
+
+    def shutdown(self) -> None:
+        """Kill the actors (their processes end with them)."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
