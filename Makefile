@@ -12,7 +12,13 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 STAMP := $(VENV)/.installed
 KIT ?= runs/tiny-kit
-RUN ?= runs/run-$(shell date +%Y%m%d-%H%M%S)
+ifeq ($(origin RUN_ID), undefined)
+RUN_ID := run-$(shell date +%Y%m%d-%H%M%S)
+endif
+# Prefect for `make run`: its own home under runs/, a start-up timeout that suits a loaded machine
+# (the ephemeral server takes 25-46 s here), no telemetry, slime's and the tasks' logs in the run log
+PREFECT_ENV := PREFECT_HOME=$(CURDIR)/runs/.prefect PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180 \
+	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 PREFECT_LOGGING_EXTRA_LOGGERS=slime,tasks
 CONFIG ?= deployments/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
@@ -26,15 +32,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-# The main job: the stages that exist so far, on the embedded CPU default, in a new run directory:
-# tiny kit -> convert (HF -> Megatron) -> SFT -> export (Megatron -> HF). The Prefect pipeline with
-# rejection sampling, RL and evaluation replaces this recipe as those stages land.
+# The main job: the Prefect pipeline (flows/pipeline.py) on the embedded CPU default, as a new run
+# under runs/: tiny kit -> convert (HF -> Megatron) -> SFT -> export (Megatron -> HF); rejection
+# sampling, RL and evaluation join as their flows land. Ephemeral Prefect API (no server to start);
+# run history in runs/.prefect. `make run RUN_ID=<an earlier id>` resumes or reuses that run.
 run: $(STAMP)
 	$(BIN)/slime datasets make-tiny $(KIT)
-	$(BIN)/slime convert --config $(CONFIG) --save $(RUN)/convert
-	$(BIN)/slime sft --config $(CONFIG) --load $(RUN)/convert --save $(RUN)/sft
-	$(BIN)/slime export --config $(CONFIG) --load $(RUN)/sft --output-dir $(RUN)/export
-	@echo "done: Megatron checkpoints in $(RUN)/convert and $(RUN)/sft, HF model in $(RUN)/export"
+	$(PREFECT_ENV) $(BIN)/python -m flows.pipeline --config $(CONFIG) --run-id $(RUN_ID)
+	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/; same run again (reuses every completed stage):" \
+	      "make run RUN_ID=$(RUN_ID)"
 
 test: $(STAMP)
 	$(BIN)/ruff check .

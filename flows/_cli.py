@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ def ui_hint() -> str:
 def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
          describe: Callable[[Any], str] | None = None) -> int:
     """Run `flow` with parameters from `argv`; print its result (and `describe(result)`); 2 on a slime error."""
+    for name in ("slime", "tasks"):  # their INFO lines (checkpoint commits, SFT losses) belong in the run log
+        logging.getLogger(name).setLevel(logging.INFO)
     params = parse(f"python -m flows.{flow.fn.__module__.rsplit('.', 1)[-1]}", flow.description or flow.name, argv,
                    takes_model)
     try:

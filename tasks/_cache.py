@@ -55,17 +55,19 @@ def config_fingerprint(config: Config, fields: tuple[str, ...]) -> str:
     return stable_hash(payload)
 
 
-def artifact_fingerprint(uri: str, storage_options: dict[str, Any] | None = None) -> str:
+def artifact_fingerprint(uri: str, storage_options: dict[str, Any] | None = None, missing_ok: bool = False) -> str:
     """Content identity of an input: `manifest:<hash>` when committed, else `files:<hash>` of its files.
 
     A `path@[a:b]` row slice is stripped here (the slice itself is part of the URI, which the key
-    holds too). Raises NotCommittedError when nothing is at `uri`.
+    holds too). When nothing is at `uri`: "missing" if `missing_ok`, else NotCommittedError.
     """
     path, _ = parse_data_path(uri)
     if is_committed(path, storage_options):
         return f"manifest:{manifest_hash(path, storage_options)}"
     fs, root = open_fs(path, storage_options)
     if not fs.exists(root):
+        if missing_ok:
+            return "missing"
         raise NotCommittedError(f"stage input {uri} does not exist")
     digest = hashlib.sha256()
     for name, info in sorted(fs.find(root, detail=True).items()):
@@ -89,12 +91,12 @@ def code_version(modules: tuple[str, ...]) -> dict[str, str]:
 
 
 def stage_cache_key(config: Config, config_fields: tuple[str, ...], inputs: dict[str, str], output: str,
-                    code_modules: tuple[str, ...], task_source: str | None = None) -> str:
+                    code_modules: tuple[str, ...], task_source: str | None = None, missing_ok: bool = False) -> str:
     """The base cache key of one stage run (before any superseded-result hop)."""
     options = config.run.storage_options
     return stable_hash({
         "config": config_fingerprint(config, config_fields),
-        "inputs": {role: [uri, artifact_fingerprint(uri, options)] for role, uri in sorted(inputs.items())},
+        "inputs": {role: [uri, artifact_fingerprint(uri, options, missing_ok)] for role, uri in sorted(inputs.items())},
         "output": output,
         "code": code_version(code_modules),
         "task_source": task_source,
@@ -161,6 +163,11 @@ class StageCachePolicy(CachePolicy):
             logger.warning("no cache key (%s): the stage runs and its result is not stored", exc)
             return None
         return first_valid_key(task_ctx.result_store, base, config.run.storage_options)
+
+    def attempt_key(self, config: Config, inputs: dict[str, str], output: str) -> str:
+        """The key of a stage run as its task body sees it (no task source): marks whose output is where.
+        A missing input is part of the key here; the stage then fails on it with its own message."""
+        return stage_cache_key(config, self.config_fields, inputs, output, self.code_modules, missing_ok=True)
 
 
 def result_storage(store: str, storage_options: dict[str, Any] | None = None) -> Path | str:

@@ -1,17 +1,21 @@
 """What every stage task does around its one slime call: point the config at the run's locations,
-clear the output location, time the phases and describe the result as JSON."""
+prepare the output location, time the phases and describe the result as JSON."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from slime.config import Config
+from slime.errors import StorageError
+from slime.storage import is_committed, read_manifest
 from slime.storage.fs import open_fs
+from slime.storage.manifest import verify_files
 
 logger = logging.getLogger(__name__)
 
@@ -25,19 +29,47 @@ def with_fields(config: Config, **dotted: Any) -> Config:
     return Config.model_validate(data)
 
 
-def clear_output(uri: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """Move whatever is at a stage's output location aside before the stage writes there.
+def prepare_output(uri: str, attempt_key: str, storage_options: dict[str, Any] | None = None, *,
+                   resumable: bool = False) -> list[str]:
+    """Make a stage's output location ready for a run; returns what was moved aside.
 
-    A stage only runs when no intact cached result exists, so anything here is a failed attempt's
-    half-written files, a stale or corrupt artifact, or the output of other inputs. It is renamed to
-    `<uri>.replaced-<UTC time>` rather than deleted (nothing is lost); returns that name, or None.
+    A stage only runs when no intact cached result exists, so anything already at `uri` is one of:
+    a failed attempt of this very stage run (same `attempt_key`, recorded in `<uri>.attempt.json`),
+    a stale or corrupt artifact, or the output of other inputs or config. A resumable stage (one that
+    continues from its newest committed checkpoint under `uri`, like SFT) keeps a same-key attempt's
+    checkpoints, newest first down to the first intact one, moving corrupt ones aside. Everything else
+    is moved aside whole. Moved means renamed to `<name>.replaced-<UTC time>`, never deleted.
     """
     fs, path = open_fs(uri, storage_options)
-    if not fs.exists(path):
-        return None
-    aside = f"{path}.replaced-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}"
+    marker = f"{path}.attempt.json"
+    same_attempt = fs.exists(marker) and json.loads(fs.cat_file(marker)).get("key") == attempt_key
+    moved = []
+    if fs.exists(path):
+        if resumable and same_attempt:
+            for child in sorted(fs.ls(path, detail=False), reverse=True):
+                if not is_committed(child, storage_options):
+                    continue  # uncommitted leftovers are invisible to readers and overwritten by writers
+                if not _problems(child, storage_options):
+                    break
+                moved.append(_move_aside(fs, child))
+        else:
+            moved.append(_move_aside(fs, path))
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(marker, json.dumps({"key": attempt_key}).encode())
+    return moved
+
+
+def _problems(uri: str, storage_options: dict[str, Any] | None) -> list[str]:
+    try:
+        return verify_files(uri, read_manifest(uri, storage_options), storage_options)
+    except StorageError as exc:
+        return [str(exc)]
+
+
+def _move_aside(fs: Any, path: str) -> str:
+    aside = f"{path.rstrip('/')}.replaced-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}"
     fs.mv(path, aside, recursive=True)
-    logger.warning("moved the previous contents of %s aside to %s", uri, aside)
+    logger.warning("moved %s aside to %s", path, aside)
     return aside
 
 

@@ -9,23 +9,29 @@ from prefect import task
 from slime.config import Config
 from slime.sft import run_sft
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, clear_output, stage_result, with_fields
+from tasks._stage import Phases, prepare_output, stage_result, with_fields
 
 OUTPUT_NAME = "checkpoint"
-# config fields run_sft reads besides its inputs (model, data, tokenizer) and output location
+# config fields run_sft reads besides its inputs (model, data, tokenizer) and output location;
+# save_interval is left out: it adds intermediate checkpoints, the final one is the same
 CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "train", "algorithm.calculate_per_token_loss",
-                 "data.tool_key", "megatron", "run.seed")
+                 "checkpoint.no_save_optim", "data.tool_key", "megatron", "run.seed")
+
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",))
 
 
-@task(name="sft", task_run_name="sft-{run_id}", persist_result=True, result_serializer="json",
-      cache_policy=StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",)))
+@task(name="sft", task_run_name="sft-{run_id}", cache_policy=CACHE, persist_result=True,
+      result_serializer="json")
 def sft(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
-    """Fine-tune `inputs["load"]` on `inputs["sft_data"]` (tokenizer from `inputs["hf_checkpoint"]`)."""
+    """Fine-tune `inputs["load"]` on `inputs["sft_data"]` (tokenizer from `inputs["hf_checkpoint"]`).
+
+    A re-run after a failure resumes from the newest intact SFT checkpoint of the same attempt.
+    """
     phases = Phases()
-    with phases.time("clear output"):
-        clear_output(output, config.run.storage_options)
+    with phases.time("prepare output"):
+        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options, resumable=True)
     with phases.time("sft"):
         result = run_sft(with_fields(config, checkpoint__load=inputs["load"], sft__sft_data=inputs["sft_data"],
                                      checkpoint__hf_checkpoint=inputs["hf_checkpoint"], checkpoint__save=output))
-    metrics = {key: result[key] for key in ("steps", "first_loss", "last_loss")}
+    metrics = {key: result.get(key) for key in ("steps", "first_loss", "last_loss", "resumed_from")}
     return stage_result("sft", {"checkpoint": (result["checkpoint"], result["manifest_hash"])}, metrics, phases)

@@ -93,4 +93,4 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     assert statuses(results) == {"convert": "cached", "sft": "ran", "export": "ran"}
     assert calls == {"convert": 1, "sft": 2, "export": 3}
     assert verify_files(str(sft_dir), read_manifest(str(sft_dir))) == []
-    assert len(list((store / "t1" / "sft").glob("checkpoint.replaced-*"))) == 1  # the corrupt one, kept aside
+    assert len(list(sft_dir.parent.glob("iter_0000001.replaced-*"))) == 1  # the corrupt one, kept aside

@@ -4,11 +4,13 @@ import json
 
 import pytest
 
+from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.errors import ConfigError
-from slime.storage import is_committed, manifest_hash, read_manifest
-from tasks._stage import clear_output, with_fields
+from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
+from tasks._stage import prepare_output, with_fields
 from tasks.convert import convert
 from tasks.export import export
+from tasks.sft import sft
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def test_convert_result_is_json_and_names_the_committed_checkpoint(converted):
     assert checkpoint["uri"].endswith("/r/convert/checkpoint/iter_0000000")
     assert checkpoint["manifest_hash"] == manifest_hash(checkpoint["uri"])
     assert read_manifest(checkpoint["uri"]).metadata["stage"] == "convert"
-    assert set(converted["seconds"]) == {"clear output", "convert"} and converted["seconds"]["convert"] > 0
+    assert set(converted["seconds"]) == {"prepare output", "convert"} and converted["seconds"]["convert"] > 0
 
 
 def test_export_task_commits_an_hf_model_and_names_a_bad_origin(kit_config, converted, tmp_path):
@@ -39,14 +41,48 @@ def test_export_task_commits_an_hf_model_and_names_a_bad_origin(kit_config, conv
     assert AutoModelForCausalLM.from_pretrained(hf["uri"]).config.vocab_size == 384
 
 
-def test_clear_output_moves_previous_contents_aside(tmp_path):
-    out = tmp_path / "sft" / "checkpoint"
-    assert clear_output(str(out)) is None
-    (out / "iter_0000001").mkdir(parents=True)
-    (out / "iter_0000001" / "half-written").write_text("x")
-    aside = clear_output(str(out))
+def committed_iteration(save, step, content=b"weights"):
+    path = save / f"iter_{step:07d}"
+    path.mkdir(parents=True)
+    (path / "model.bin").write_bytes(content)
+    commit_directory(str(path), "checkpoint")
+    return path
+
+
+def test_prepare_output_moves_other_attempts_aside_whole(tmp_path):
+    out = tmp_path / "export" / "hf"
+    assert prepare_output(str(out), "key-a") == []
+    (out / "half-written").parent.mkdir(parents=True)
+    (out / "half-written").write_text("x")
+    (aside,) = prepare_output(str(out), "key-a")  # not resumable: even the same attempt starts clean
     assert not out.exists() and aside.startswith(f"{out}.replaced-")
-    assert (tmp_path / "sft" / aside.rsplit("/", 1)[-1] / "iter_0000001" / "half-written").read_text() == "x"
+    assert (tmp_path / "export" / aside.rsplit("/", 1)[-1] / "half-written").read_text() == "x"
+
+
+def test_prepare_output_keeps_a_resumable_attempts_intact_checkpoints(tmp_path):
+    save = tmp_path / "sft" / "checkpoint"
+    prepare_output(str(save), "key-a", resumable=True)
+    committed_iteration(save, 2)
+    newest = committed_iteration(save, 4)
+    (newest / "model.bin").write_bytes(b"wrecked")  # same size, other bytes: fails verification
+    (moved,) = prepare_output(str(save), "key-a", resumable=True)
+    assert moved.startswith(f"{newest}.replaced-") and latest_checkpoint(str(save)).endswith("iter_0000002")
+    # another config or input: the old checkpoints must not be resumed from
+    (moved,) = prepare_output(str(save), "key-b", resumable=True)
+    assert moved.startswith(f"{save}.replaced-") and not save.exists()
+
+
+def test_sft_rerun_of_a_failed_attempt_resumes_from_its_checkpoint(kit_config, converted, tmp_path):
+    save = tmp_path / "r" / "sft" / "checkpoint"
+    config = with_fields(kit_config, sft__sft_num_epoch=2, checkpoint__save_interval=1)
+    inputs = {"load": converted["artifacts"]["checkpoint"]["uri"], "sft_data": kit_config.sft.sft_data,
+              "hf_checkpoint": kit_config.checkpoint.hf_checkpoint}
+    first = sft.fn(config, "r", inputs, str(save))
+    assert first["metrics"]["steps"] == 2 and first["metrics"]["resumed_from"] is None
+    (save / "iter_0000002" / "manifest.json").unlink()  # as if the attempt died while committing step 2
+    again = sft.fn(config, "r", inputs, str(save))
+    assert again["metrics"]["resumed_from"] == str(save / "iter_0000001")
+    assert again["metrics"]["last_loss"] == pytest.approx(first["metrics"]["last_loss"], rel=1e-5)
 
 
 def test_with_fields_validates_and_leaves_the_original(kit_config):
