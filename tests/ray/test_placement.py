@@ -1,0 +1,97 @@
+"""Placement: the bundle layout per mode (pure logic), then the real placement group on a local Ray
+cluster with 4 fake GPUs (one cluster for the module): which GPU each train rank and engine gets, and a
+request the cluster cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime.config import ClusterConfig
+from slime.errors import ConfigError
+from slime.ray.placement import PlacementError, RayCluster, create_placement, plan_placement
+
+
+def test_plan_decoupled_puts_engines_after_the_train_bundles():
+    plan = plan_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4,
+                                        rollout_num_gpus_per_engine=2), use_gpu=True)
+    assert plan.num_bundles == 6
+    assert plan.train_bundles == [0, 1]
+    assert plan.engine_bundles == [[2, 3], [4, 5]]
+    assert plan.bundle == {"GPU": 1.0, "CPU": 1.0}
+
+
+def test_plan_colocate_shares_bundles_from_zero():
+    plan = plan_placement(ClusterConfig(actor_num_nodes=2, actor_num_gpus_per_node=2, colocate=True),
+                          use_gpu=True)
+    assert plan.num_bundles == 4  # rollout_num_gpus defaults to the train count
+    assert plan.train_bundles == [0, 1, 2, 3]
+    assert plan.engine_bundles == [[0], [1], [2], [3]]
+    bigger = plan_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4, colocate=True),
+                            use_gpu=True)
+    assert bigger.num_bundles == 4 and bigger.train_bundles == [0, 1]
+
+
+def test_plan_cpu_mode_and_defaults():
+    plan = plan_placement(ClusterConfig(actor_num_gpus_per_node=2), use_gpu=False)
+    assert plan.bundle == {"CPU": 1.0}
+    assert plan.num_bundles == 3  # decoupled, rollout_num_gpus unset: one engine
+    assert plan.engine_bundles == [[2]]
+
+
+def test_plan_refuses_engines_that_do_not_divide():
+    with pytest.raises(ConfigError, match="rollout_num_gpus 3 is not a multiple of rollout_num_gpus_per_engine 2"):
+        plan_placement(ClusterConfig(rollout_num_gpus=3, rollout_num_gpus_per_engine=2), use_gpu=True)
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_ray():
+    cluster = RayCluster.connect(ClusterConfig(), num_cpus=8, num_gpus=4)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _gpu_of_actors(options: list[dict]) -> list[list[int]]:
+    """GPU ids Ray gives an actor started with each of `options`."""
+    import ray
+
+    @ray.remote
+    class Probe:
+        def gpus(self) -> list[int]:
+            return [int(g) for g in ray.get_gpu_ids()]
+
+    actors = [Probe.options(**o).remote() for o in options]
+    try:
+        return ray.get([a.gpus.remote() for a in actors], timeout=120)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def test_decoupled_ranks_and_engines_get_distinct_gpus(fake_gpu_ray):
+    placement = create_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2))
+    try:
+        train = _gpu_of_actors([placement.train_options(r) for r in range(2)])
+        engines = placement.engine_devices()
+        assert all(len(g) == 1 for g in train)
+        assert engines == [[2], [3]]  # bundles sorted by GPU id: train on 0,1, engines after
+        assert sorted(g for row in train + engines for g in row) == [0, 1, 2, 3]
+        assert placement.manager_options()["num_gpus"] == 0
+    finally:
+        placement.remove()
+
+
+def test_colocated_engines_share_the_train_gpus(fake_gpu_ray):
+    placement = create_placement(ClusterConfig(actor_num_gpus_per_node=2, colocate=True))
+    try:
+        train = _gpu_of_actors([placement.train_options(r) for r in range(2)])
+        assert placement.engine_devices() == train  # engine e shares rank e's GPU
+        assert placement.train_options(0)["num_gpus"] < 1
+    finally:
+        placement.remove()
+
+
+def test_a_placement_that_does_not_fit_names_the_numbers(fake_gpu_ray):
+    with pytest.raises(PlacementError, match=r"needs 6 GPU but the Ray cluster has 4"):
+        create_placement(ClusterConfig(actor_num_gpus_per_node=4, rollout_num_gpus=2))
