@@ -124,15 +124,21 @@ def sample(
         logits: [B, V] float32, already masked where tokens are banned (min_new_tokens).
         temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off).
         uniforms: [B] float64 in [0, 1), one per row, from each request's own random stream.
+    The four parameter tensors may live on the host: then deciding whether top-k / top-p apply
+    costs no device synchronisation, and they are copied to the logits' device here.
     """
+    vocab = logits.shape[1]
+    top_k_on = bool(((top_ks > 0) & (top_ks < vocab)).any())
+    top_p_on = bool((top_ps < 1).any())
+    temperatures, top_ps, top_ks, uniforms = (t.to(logits.device, non_blocking=True)
+                                              for t in (temperatures, top_ps, top_ks, uniforms))
     greedy = temperatures == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
-    vocab = logits.shape[1]
     k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
-    if bool((k < vocab).any()):
+    if top_k_on:
         kth = torch.topk(scaled, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if bool((top_ps < 1).any()):
+    if top_p_on:
         sorted_logits, order = torch.sort(scaled, dim=1, descending=True)
         probs = torch.softmax(sorted_logits, dim=1)
         # drop a token when the mass strictly before it already reaches top_p (the top one always stays)

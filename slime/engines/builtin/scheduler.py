@@ -397,12 +397,12 @@ class Scheduler:
                 if banned:
                     logits[row, banned] = float("-inf")
         p = [r.params for r in requests]
-        tokens, logprobs = sample(
+        tokens, logprobs = sample(  # parameters built on the host: `sample` moves them without a sync
             logits,
-            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=self.device),
-            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
-            torch.tensor([x.top_k for x in p], dtype=torch.long, device=self.device),
-            torch.tensor([r.rng.random() for r in requests], dtype=torch.float64, device=self.device),
+            torch.tensor([x.temperature for x in p], dtype=torch.float32),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32),
+            torch.tensor([x.top_k for x in p], dtype=torch.long),
+            torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
         )
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
