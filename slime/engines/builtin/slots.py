@@ -154,9 +154,11 @@ class SlotDecoder:
             q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, D]
             keys[rows, :, positions] = k[:, :, 0]
             values[rows, :, positions] = v[:, 0]
+            # grouped-query decode as plain attention: the heads sharing a key/value head become that
+            # head's query rows ([B, kv_heads, heads / kv_heads, D]), so no key/value is repeated
+            q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys[:batch, :, :length], values[:batch, :, :length],
-                                                 attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=self.heads != self.kv_heads)
-            hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(batch, 1, self.heads * self.head_dim))
+                                                 attn_mask=mask, scale=self.scaling)
+            hidden = hidden + attention.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(model.norm(hidden))[:, 0]
