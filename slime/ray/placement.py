@@ -15,7 +15,8 @@ with `CUDA_VISIBLE_DEVICES` set to the GPUs of each engine's bundles (found by p
 manager, not Ray actors, so all engine bundles must sit on the rollout manager's node.
 
 `RayCluster` joins `cluster.ray_address` or starts a private local Ray (own temp dir, dashboard off,
-`RAY_AUTH_MODE=disabled` unless the environment says otherwise) and shuts down only what it started.
+`RAY_AUTH_MODE=disabled` unless the environment says otherwise; its workers get the driver's `sys.path`
+so dotted plugin paths resolve in actors as in the driver) and shuts down only what it started.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -118,8 +120,11 @@ class RayCluster:
         if num_cpus is None:
             num_cpus = max(os.cpu_count() or 1, plan_placement(cluster, use_gpu=num_gpus > 0).num_bundles + 1)
         try:
-            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir,
-                     include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+            # actors import what this driver can (plugins given as dotted paths): same sys.path
+            path = os.pathsep.join(p for p in sys.path if p)
+            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir, include_dashboard=False,
+                     object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": path}})
         except BaseException:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
