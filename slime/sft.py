@@ -17,7 +17,9 @@ Checkpoints: every `save_interval` optimizer steps and at the end, the full trai
 optimizer, scheduler, RNG, loss curve) is committed as iteration N = steps done under `--save`
 (`--no-save-optim`: the model only). When `--save` already holds committed SFT checkpoints, the stage
 resumes from the newest at the exact next step (same data order: the epoch orders are replayed from
-the seed), so an interrupted SFT ends with the weights an uninterrupted one would have.
+the seed), so an interrupted SFT ends with the weights an uninterrupted one would have; a `--save`
+that holds the final iteration returns it without training. A resume with other data, batch size, seed or
+number of steps is refused, naming the field; so is one from a model-only (`--no-save-optim`) checkpoint.
 Not yet: data parallelism (one rank).
 """
 
@@ -40,13 +42,18 @@ def run_sft(config: Config) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
-    from slime.backends.megatron.checkpoint import iteration_dir, latest_checkpoint, load_model_checkpoint
+    from slime.backends.megatron.checkpoint import (
+        iteration_dir,
+        latest_checkpoint,
+        load_checkpoint,
+        load_model_checkpoint,
+    )
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.convert import megatron_dtype
     from slime.data.sft import load_sft_samples
     from slime.export import resolve_checkpoint
-    from slime.storage import is_committed, manifest_hash
+    from slime.storage import is_committed
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -62,13 +69,22 @@ def run_sft(config: Config) -> dict[str, Any]:
     data_plan = {"num_conversations": len(samples), "global_batch_size": batch_size, "seed": config.run.seed,
                  "total_steps": total_steps}
 
+    path = iteration_dir(save, total_steps)
+    resume_from = latest_checkpoint(save)
+    if resume_from is not None:
+        saved_losses = _check_resumable(resume_from, data_plan)
+        if resume_from == path:  # this SFT already finished: nothing to train
+            logger.info("%s is this SFT's final checkpoint: nothing to do", path)
+            return _summary(path, saved_losses, resume_from)
+
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, megatron_dtype(config))
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer_and_scheduler(models, config, total_steps)
-    resume_from = latest_checkpoint(save)
     if resume_from is not None:
-        done, losses = _resume(models, optimizer, scheduler, resume_from, data_plan)
+        state = load_checkpoint(models, resume_from, optimizer, scheduler)
+        done, losses = state.iteration, list(state.extra_state.get("sft_losses", []))
+        logger.info("resumed SFT from %s at step %d", resume_from, done + 1)
     else:
         done, losses = 0, []
         if config.checkpoint.load:
@@ -99,35 +115,34 @@ def run_sft(config: Config) -> dict[str, Any]:
                         metrics["sft_loss"], metrics["grad_norm"], metrics["lr"])
             if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0 and step < total_steps:
                 save_at(step)
-    path = iteration_dir(save, total_steps)
     if not is_committed(path):
         save_at(total_steps)
+    return _summary(path, losses, resume_from)
+
+
+def _summary(path: str, losses: list[float], resumed_from: str | None) -> dict[str, Any]:
+    from slime.storage import manifest_hash
+
     return {"checkpoint": path, "manifest_hash": manifest_hash(path), "steps": len(losses),
-            "resumed_from": resume_from, "first_loss": losses[0] if losses else None,
+            "resumed_from": resumed_from, "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None}
 
 
-def _resume(models: list[Any], optimizer: Any, scheduler: Any, path: str,
-            data_plan: dict[str, Any]) -> tuple[int, list[float]]:
-    """Load the full training state of an SFT checkpoint; returns (steps done, loss curve so far)."""
-    from slime.backends.megatron.checkpoint import (
-        load_checkpoint,
-        read_checkpoint_manifest,
-        read_training_state,
-    )
+def _check_resumable(path: str, data_plan: dict[str, Any]) -> list[float]:
+    """Refuse to continue from `path` unless it is an SFT checkpoint of the same data plan (which fixes
+    the data order); returns its loss curve."""
+    from slime.backends.megatron.checkpoint import read_checkpoint_manifest
 
-    stage = read_checkpoint_manifest(path).metadata.get("stage")
-    if stage != "sft":
-        raise ConfigError(f"--save holds {path}, a checkpoint of stage {stage!r}: SFT resumes only its own "
-                          "checkpoints; give SFT its own --save directory (and the other one as --load)")
-    saved_plan = read_training_state(path).extra_state
+    meta = read_checkpoint_manifest(path).metadata
+    if meta.get("stage") != "sft":
+        raise ConfigError(f"--save holds {path}, a checkpoint of stage {meta.get('stage')!r}: SFT resumes only its "
+                          "own checkpoints; give SFT its own --save directory (and the other one as --load)")
+    saved_plan = meta.get("sft_plan") or {}
     for name, value in data_plan.items():
         if saved_plan.get(name) != value:
             raise ConfigError(f"{path}: cannot resume SFT: {name} was {saved_plan.get(name)!r}, now {value!r} (the "
                               "data order would differ); use the same data and batch size, or a new --save directory")
-    state = load_checkpoint(models, path, optimizer, scheduler)
-    logger.info("resuming SFT from %s at step %d", path, state.iteration + 1)
-    return state.iteration, list(state.extra_state.get("sft_losses", []))
+    return list(meta.get("sft_losses", []))
 
 
 def _save(config: Config, bridge: Any, models: list[Any], optimizer: Any, scheduler: Any, step: int,
@@ -137,9 +152,9 @@ def _save(config: Config, bridge: Any, models: list[Any], optimizer: Any, schedu
 
     full = not config.checkpoint.no_save_optim
     save_checkpoint(models, config.checkpoint.save, step, optimizer=optimizer if full else None,
-                    scheduler=scheduler if full else None, extra_state={"sft_losses": losses, **data_plan},
+                    scheduler=scheduler if full else None, extra_state={"sft_losses": losses},
                     metadata={**checkpoint_metadata(bridge, config.checkpoint.hf_checkpoint), "stage": "sft",
-                              "sft_losses": losses},
+                              "sft_losses": losses, "sft_plan": data_plan},
                     config_hash=config.section_hash("sft", "train", "checkpoint", "megatron"),
                     fully_reshardable=config.checkpoint.dist_ckpt_optim_fully_reshardable)
 

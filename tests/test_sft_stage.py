@@ -90,3 +90,21 @@ def test_sft_refuses_to_resume_with_another_data_plan(tiny_kit, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "cannot resume SFT: num_conversations was 8, now 16" in result.stderr
+
+
+def test_sft_with_no_save_optim_cannot_resume_mid_way(tiny_kit, tmp_path):
+    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:16]",
+             "--global-batch-size", "8", "--micro-batch-size", "8", "--lr", "3e-3", "--save-interval", "1",
+             "--no-save-optim"]
+    done = run_sft(*flags, "--save", str(tmp_path / "whole"))
+    manifest = json.loads((tmp_path / "whole" / "iter_0000001" / "manifest.json").read_text())
+    assert manifest["metadata"]["training_state"] is False
+    assert not (tmp_path / "whole" / "iter_0000001" / "optimizer").exists()
+    # a finished SFT is not trained again, even from model-only checkpoints
+    assert run_sft(*flags, "--save", str(tmp_path / "whole"))["manifest_hash"] == done["manifest_hash"]
+    (tmp_path / "cut").mkdir()
+    shutil.copytree(tmp_path / "whole" / "iter_0000001", tmp_path / "cut" / "iter_0000001")
+    result = subprocess.run([SLIME, "sft", *flags, "--save", str(tmp_path / "cut")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds the model only (saved with --no-save-optim" in result.stderr

@@ -105,7 +105,8 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
 
     With `optimizer` (and `scheduler`), the full training state is saved: optimizer state (for the
     DistributedOptimizer in the 'fully_reshardable' format when asked, else 'dp_reshardable'), scheduler,
-    RNG of every rank, `iteration` and the JSON-serialisable `extra_state`. Without, the model only.
+    RNG of every rank, `iteration` and the JSON-serialisable `extra_state`. Without, the model only:
+    that is what `--no-save-optim` means, so callers pass `optimizer=None` when it is set.
     """
     from megatron.core import dist_checkpointing
 

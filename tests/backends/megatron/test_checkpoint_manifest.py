@@ -7,9 +7,11 @@ import pytest
 
 from slime.backends.megatron.checkpoint import (
     CHECKPOINT_KIND,
+    ModelOnlyCheckpointError,
     UncommittedCheckpointError,
     latest_checkpoint,
     read_checkpoint_manifest,
+    read_training_state,
 )
 from slime.config import load_config
 from slime.errors import ConfigError, CorruptArtifactError, NotCommittedError
@@ -89,3 +91,16 @@ def test_schedule_and_optimizer_fields_are_typed(tmp_path):
 def test_inconsistent_schedules_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_training_state_is_readable_before_loading(tmp_path):
+    path = tmp_path / "iter_0000005"
+    path.mkdir()
+    (path / "training_state.json").write_text(json.dumps({"iteration": 5, "scheduler": None,
+                                                          "extra_state": {"cursor": 40}}))
+    commit_directory(str(path), CHECKPOINT_KIND, metadata={"iteration": 5, "training_state": True})
+    state = read_training_state(str(path))
+    assert (state.iteration, state.extra_state) == (5, {"cursor": 40})
+    model_only = fake_checkpoint(tmp_path, 6)
+    with pytest.raises(ModelOnlyCheckpointError, match="holds the model only"):
+        read_training_state(str(model_only))
