@@ -404,7 +404,7 @@ class Scheduler:
             torch.tensor([x.top_k for x in p], dtype=torch.long),
             torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
         )
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        token_list, logprob_list = self._to_host(tokens, logprobs)
         for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
             if request.finish_reason is None:
                 request.output_ids.append(token)
@@ -412,6 +412,18 @@ class Scheduler:
                 self.generated_tokens += 1
                 self._check_stop(request)
         return tokens
+
+    def _to_host(self, *tensors: torch.Tensor) -> list[list[Any]]:
+        """Copy step results to the host. On CUDA the wait happens in `Event.synchronize`, which
+        releases the GIL, so the HTTP thread accepts and answers requests while the GPU computes
+        (a plain `.tolist()` would hold the GIL for the whole step)."""
+        if self.device.type != "cuda":
+            return [t.tolist() for t in tensors]
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return [t.tolist() for t in host]
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.params, request.output_ids[-1]
