@@ -9,7 +9,11 @@ repeat runs, alternating (A B A B ...) so drift of a shared machine hits both al
   (round robin over the two engine URLs), nothing else.
 
 Output: samples/s and tokens/s of each (median over `--repeats`, after one untimed warm-up of each)
-and the overhead `1 - rollout tokens/s / raw tokens/s`, taken repeat by repeat.
+and the overhead `1 - rollout tokens/s / raw tokens/s`, taken repeat by repeat. On a shared, loaded
+machine wall-clock figures swing by 2-3x between repeats, so CPU time is reported too (psutil, this
+process + the router + the engines, children included): the rollout layer's extra CPU seconds (driver +
+router, minus what the raw driver spends) per engine CPU second. On a CPU-bound machine that extra CPU
+is taken from the engines, so it bounds the throughput the layer costs, independently of other load.
 
     python bench/rollout.py --repeats 5
 """
@@ -22,6 +26,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from slime.config import FIELD_SECTION, Config
 from slime.data.prompts import load_prompts
@@ -41,6 +47,35 @@ def make_args(kit, router, store: str, opts: argparse.Namespace):
     for name, value in fields.items():
         nested.setdefault(FIELD_SECTION[name], {})[name] = value
     return rollout_args(Config.model_validate(nested), router)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (threads included)."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+class CpuMeter:
+    """CPU seconds spent by the driver (this process), the router and the engines during a block."""
+
+    def __init__(self, router_pid: int, engine_pids: list[int]) -> None:
+        self.pids = {"driver": [psutil.Process().pid], "router": [router_pid], "engines": engine_pids}
+
+    def snapshot(self) -> dict[str, float]:
+        return {k: sum(cpu_seconds(p) for p in pids) for k, pids in self.pids.items()}
+
+    def measure(self, fn):
+        before = self.snapshot()
+        result = fn()
+        after = self.snapshot()
+        return result, {k: after[k] - before[k] for k in after}
 
 
 def run_rollout(args, data_source, rollout_id: int) -> tuple[float, int, int]:
@@ -90,16 +125,22 @@ def main() -> None:
             groups = raw_source.get_samples(opts.batch)
             return [tokenizer.encode(s.prompt, add_special_tokens=False) for g in groups for s in g]
 
+        meter = CpuMeter(router.process.pid, [p.pid for p, _ in engines])
         warm_r = run_rollout(args, data_source, 0)
         warm_w = asyncio.run(run_raw(urls, raw_prompts(), params))
         print(f"warm-up: rollout {warm_r[0]:.2f} s, raw {warm_w[0]:.2f} s")
-        rows = []
+        rows, cpu = [], []
         for repeat in range(opts.repeats):
-            r = run_rollout(args, data_source, repeat + 1)
-            w = asyncio.run(run_raw(urls, raw_prompts(), params))
+            r, r_cpu = meter.measure(lambda repeat=repeat: run_rollout(args, data_source, repeat + 1))
+            w, w_cpu = meter.measure(lambda: asyncio.run(run_raw(urls, raw_prompts(), params)))
             rows.append((r, w))
+            # extra CPU of the rollout layer per engine CPU second (engine CPU of the raw run as the base)
+            extra = (r_cpu["driver"] + r_cpu["router"]) - (w_cpu["driver"] + w_cpu["router"])
+            cpu.append((extra / w_cpu["engines"], r_cpu, w_cpu))
             print(f"repeat {repeat}: rollout {r[1] / r[0]:.1f} samples/s {r[2] / r[0]:.0f} tok/s ({r[2]} tokens); "
-                  f"raw {w[1] / w[0]:.1f} samples/s {w[2] / w[0]:.0f} tok/s ({w[2]} tokens)")
+                  f"raw {w[1] / w[0]:.1f} samples/s {w[2] / w[0]:.0f} tok/s ({w[2]} tokens); CPU s rollout "
+                  f"driver {r_cpu['driver']:.2f} router {r_cpu['router']:.2f} engines {r_cpu['engines']:.2f}, raw "
+                  f"driver {w_cpu['driver']:.2f} router {w_cpu['router']:.2f} engines {w_cpu['engines']:.2f}")
         med = statistics.median
         r_sps, r_tps = med(r[1] / r[0] for r, _ in rows), med(r[2] / r[0] for r, _ in rows)
         w_sps, w_tps = med(w[1] / w[0] for _, w in rows), med(w[2] / w[0] for _, w in rows)
@@ -108,6 +149,10 @@ def main() -> None:
         print(f"rollout (router + reward {opts.rm_type} + shard set): {r_sps:.1f} samples/s, {r_tps:.0f} tokens/s")
         print(f"raw engines:                                     {w_sps:.1f} samples/s, {w_tps:.0f} tokens/s")
         print(f"rollout-layer overhead (tokens/s): {overhead * 100:.1f}%")
+        print(f"rollout-layer CPU overhead (extra driver+router CPU / engine CPU): "
+              f"{med(c[0] for c in cpu) * 100:.1f}%  (rollout driver {med(c[1]['driver'] for c in cpu):.2f} s, "
+              f"router {med(c[1]['router'] for c in cpu):.2f} s; raw driver {med(c[2]['driver'] for c in cpu):.2f} s; "
+              f"engines {med(c[2]['engines'] for c in cpu):.2f} s per step)")
     finally:
         router.stop()
         for process, _ in engines:

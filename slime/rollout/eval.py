@@ -36,7 +36,7 @@ from slime.rollout.http import engine_client, router_url, worker_urls
 from slime.rollout.outputs import RolloutFnEvalOutput, flatten
 from slime.rollout.rewards import check_reward_config
 from slime.rollout.state import GenerateState, RolloutEngineError, cancel
-from slime.rollout.store import write_eval
+from slime.rollout.store import check_not_written, write_eval
 from slime.types import Sample, Status
 
 _SETTINGS = ("n_samples_per_eval_prompt", "temperature", "top_p", "top_k", "max_response_len", "stop",
@@ -218,6 +218,7 @@ async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
         if ds.custom_generate_function_path:
             load_generate_function(ds.custom_generate_function_path)
         check_reward_config(dataset_args(args, ds))
+    check_not_written(args, "eval", f"{rollout_id:06d}-summary")
     prompts = {ds.name: load_dataset(args, ds) for ds in datasets}
     client = engine_client()
     url = router_url(args)

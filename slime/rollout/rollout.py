@@ -46,7 +46,7 @@ from slime.rollout.hooks import check_rollout_plugins
 from slime.rollout.http import close_engine_client, engine_client, router_url, worker_urls
 from slime.rollout.outputs import RolloutFnTrainOutput, flatten
 from slime.rollout.state import GenerateState, RolloutEngineError, cancel, drain, first_error_of, group_state
-from slime.rollout.store import write_rollout
+from slime.rollout.store import check_not_written, write_rollout
 from slime.types import Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     if not target:
         raise ConfigError("rollout needs rollout_batch_size (--rollout-batch-size)")
     over = getattr(args, "over_sampling_batch_size", None) or target
+    check_not_written(args, "rollout", f"{rollout_id:06d}")
     client = engine_client()
     url = router_url(args)
     try:

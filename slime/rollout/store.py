@@ -16,8 +16,9 @@ import json
 import logging
 from typing import Any
 
+from slime.errors import AlreadyCommittedError
 from slime.rollout.outputs import flatten
-from slime.storage import ArtifactStore, commit_directory
+from slime.storage import ArtifactStore, commit_directory, is_committed
 from slime.storage.fs import join_uri, open_fs
 from slime.types import Sample
 
@@ -28,6 +29,17 @@ def _store(args: Any) -> ArtifactStore | None:
     if not getattr(args, "run_id", None):
         return None
     return ArtifactStore(getattr(args, "store", None) or "./runs", getattr(args, "storage_options", None) or {})
+
+
+def check_not_written(args: Any, stage: str, name: str) -> None:
+    """Raise AlreadyCommittedError at set-up if the step's output exists (re-running a committed step
+    would otherwise generate a whole step and then fail to write it)."""
+    store = _store(args)
+    if store is not None:
+        uri = store.uri(args.run_id, stage, name)
+        if is_committed(uri, store.storage_options):
+            raise AlreadyCommittedError(f"{uri} is already committed: rollout/eval step {name} of run "
+                                        f"{args.run_id!r} was written before; use a new rollout_id or run_id")
 
 
 def _write(store: ArtifactStore, run_id: str, stage: str, name: str, samples: list[Sample],

@@ -16,6 +16,7 @@ from conftest import engine_requests
 from slime.data.prompts import load_prompts
 from slime.data.source import RolloutDataSource
 from slime.engines.process import find_free_port
+from slime.errors import AlreadyCommittedError
 from slime.plugins import PluginError
 from slime.rollout import RolloutEngineError, check_reward_nonzero_std, generate_rollout
 from slime.storage import read_samples
@@ -86,7 +87,8 @@ def test_over_sampling_filter_and_abort_keep_exactly_the_batch(cluster, make_arg
 def test_reward_exception_fails_its_group_and_counts_balance(make_args, tiny_kit, tmp_path):
     args = make_args(rollout_batch_size=4, custom_rm_path="rollout_plugins.rm_raises_on_index_1_mod_4",
                      run_id="rm-error", store=str(tmp_path / "store"))
-    out = generate_rollout(args, 3, source(tiny_kit, args))
+    data_source = source(tiny_kit, args)
+    out = generate_rollout(args, 3, data_source)
     m = out.metrics
     assert len(out.samples) == 4
     assert all(s.status is not Status.FAILED and s.reward == 1.0 for g in out.samples for s in g)
@@ -97,6 +99,11 @@ def test_reward_exception_fails_its_group_and_counts_balance(make_args, tiny_kit
     failed = [s for s in dropped if s.status is Status.FAILED]
     assert len(failed) == m["rollout/samples/failed"]
     assert all(s.metadata["reward_error"] == f"ValueError: grader crashed on sample {s.index}" for s in failed)
+    # the step is committed: running it again fails at set-up, before drawing a prompt
+    state = data_source.state_dict()
+    with pytest.raises(AlreadyCommittedError, match="000003 is already committed"):
+        generate_rollout(args, 3, data_source)
+    assert data_source.state_dict() == state
 
 
 def test_engine_refusing_one_request_fails_that_sample(make_args, tiny_kit, tmp_path):
