@@ -113,6 +113,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
                       gradient_accumulation_fusion=False, persist_layer_norm=False)
     if not torch.cuda.is_available():
         fusion_off["use_cpu_initialization"] = True
+    # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
+    # train step's log-probs read full-sequence outputs
+    fusion_off["sequence_parallel"] = False
     bridge.set_extra_args(**fusion_off)
     return bridge
 

@@ -10,7 +10,8 @@ mask, the layout of `slime.algorithms`.
 Megatron pads the vocabulary (to a multiple of 128); the padded entries are not tokens, so they are
 cut off before the softmax; otherwise they would take probability mass and the log-probs would
 differ from the HF model's and the engine's. Temperature divides the logits as in sampling.
-Tensor parallelism > 1 (vocab-sharded logits) is not supported yet and is refused.
+With tensor parallelism the logits are vocab-sharded; each rank scores with all-reduced sums over the
+tensor-parallel group (`_vocab_parallel_scores`).
 
 `compute_log_probs` runs this forward-only over micro-batches (fixed size or packed by tokens) for the
 reference model, the old policy and tests, and returns one response-aligned tensor per sample.
@@ -75,22 +76,51 @@ def response_log_probs(
     entropy `[B, R_max]` of each scoring distribution. Gradients flow when called with grad enabled."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        raise ConfigError("response log-probs with tensor parallelism > 1 are not supported yet")
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
     seq = batch.tokens.shape[1]
     position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
     logits = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, V_padded]
     positions, mask = response_positions(batch)
-    # only the scoring positions: [B, R_max, V], real vocabulary only, temperature-scaled
-    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2]))[..., :vocab_size]
-    scoring = scoring.float() / temperature
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
-    logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+    # only the scoring positions: [B, R_max, V(_local)], temperature-scaled
+    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logp, entropy = _vocab_parallel_scores(scoring, targets, vocab_size, with_entropy)
+    else:
+        scoring = scoring[..., :vocab_size]  # the real vocabulary only
+        logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+        entropy = entropy_from_logits(scoring) if with_entropy else None
     logp = torch.where(mask, logp, 0.0)
-    entropy = torch.where(mask, entropy_from_logits(scoring), 0.0) if with_entropy else None
+    entropy = torch.where(mask, entropy, 0.0) if with_entropy else None
     return logp, mask, entropy
+
+
+def _vocab_parallel_scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs and entropies `[B, R]` from this tensor-parallel rank's vocabulary shard `[B, R, V/tp]`.
+
+    Padded vocabulary columns become -inf (probability 0). The log-prob is megatron's vocab-parallel
+    cross entropy, negated; the entropy H = log Z - E_p[z] is built from sums all-reduced over the
+    tensor-parallel group (all-reduce forward, identity backward), so gradients reach every shard.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    width = scoring.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * width
+    padded = torch.arange(first, first + width, device=scoring.device) >= vocab_size
+    scoring = scoring.masked_fill(padded, float("-inf"))
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(scoring.clone(), targets)
+    if not with_entropy:
+        return logp, None
+    peak = scoring.detach().amax(dim=-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    weights = torch.exp(scoring - peak.unsqueeze(-1))  # unnormalised p, 0 on padded columns
+    total = tensor_parallel.reduce_from_tensor_model_parallel_region(weights.sum(dim=-1))
+    expected = tensor_parallel.reduce_from_tensor_model_parallel_region(
+        (weights * scoring.masked_fill(padded, 0.0)).sum(dim=-1))
+    return logp, torch.log(total) + peak - expected / total
 
 
 @dataclass
