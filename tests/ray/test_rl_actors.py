@@ -73,6 +73,8 @@ def test_generate_and_data_source_state_round_trip(manager):
     first = read_samples(ray.get(manager.generate.remote(1))[0])
     ray.get(manager.load_data_source_state.remote(state))
     assert ray.get(manager.data_source_state.remote()) == state
+    ray.get(manager.offload.remote())  # engines release their memory, then take it back
+    ray.get(manager.onload.remote())
     again = read_samples(ray.get(manager.generate.remote(2))[0])
     assert [(s.group_index, s.prompt) for s in again] == [(s.group_index, s.prompt) for s in first]
     assert again[0].group_index == ROLLOUT_BATCH  # the batch after rollout 0, not a third one
@@ -88,23 +90,36 @@ def _check_first_step(metrics: dict) -> None:
         assert math.isfinite(metrics[name]), name
 
 
-def test_two_ranks_train_like_one_and_resume(config, placement, manager):
+@pytest.fixture(scope="module")
+def trained(config, placement, manager):
+    """Rollout 10 trained by a 2-rank group and saved with the data-source state:
+    (shard set URI, train metrics, data-source state, checkpoint path)."""
     import ray
 
-    uri, rollout_metrics = ray.get(manager.generate.remote(10))
+    uri, _ = ray.get(manager.generate.remote(10))
     state = ray.get(manager.data_source_state.remote())
-
-    two = TrainGroup(config, placement)
+    group = TrainGroup(config, placement)
     try:
-        assert two.init() == 0 and two.extra_state() == {}
-        metrics = two.train(10, uri)
-        path = two.save(10, {"data_source": state})
+        assert group.init() == 0 and group.extra_state() == {}
+        assert all(not r["offloaded"] for r in group.offload())  # CPU: the calls exist and are no-ops
+        group.onload()
+        metrics = group.train(10, uri)
+        path = group.save(10, {"data_source": state})
     finally:
-        two.shutdown()
+        group.shutdown()
+    return uri, metrics, state, path
+
+
+def test_two_ranks_train_one_grpo_step_and_save(trained):
+    _, metrics, _, path = trained
     _check_first_step(metrics)
     assert metrics["rollout/raw_reward"] == pytest.approx(0.5)  # rm_by_index: half of every group
-    assert is_committed(path)
+    assert is_committed(path) and path.endswith("iter_0000010")
 
+
+@pytest.mark.slow
+def test_one_rank_trains_like_two(config, placement, trained):
+    uri, metrics, _, _ = trained
     single = config.model_copy(deep=True)
     single.checkpoint.save = None  # one rank must not resume the two-rank checkpoint
     one = TrainGroup(single, placement, world_size=1)
@@ -118,6 +133,10 @@ def test_two_ranks_train_like_one_and_resume(config, placement, manager):
                  "train/train_rollout_logprob_abs_diff"):
         assert alone[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
 
+
+@pytest.mark.slow
+def test_checkpoint_resumes_at_the_next_rollout_with_its_state(config, placement, trained):
+    _, _, state, _ = trained
     resumed = TrainGroup(config, placement)
     try:
         assert resumed.init() == 11
