@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import torch
@@ -113,14 +114,24 @@ class SlotDecoder:
         if not self.cuda_graphs:
             return self._step(batch, length).float()
         bucket = next(b for b in self.batch_buckets if b >= batch)
-        self.tokens[batch:bucket] = 0
-        self.positions[batch:bucket] = 0  # free slots: their writes land at position 0 and are never read
-        key = (bucket, length)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, length)
-        graph, logits = self._graphs[key]
+        self.tokens[batch:] = 0
+        self.positions[batch:] = 0  # free slots: their writes land at position 0 and are never read
+        if not self._graphs:
+            self._capture_all()
+        graph, logits = self._graphs[(bucket, length)]
         graph.replay()
         return logits[:batch].float()
+
+    def _capture_all(self) -> None:
+        """Capture every (batch bucket, length bucket) graph at the first decode, largest first (they
+        share one memory pool), so that no capture stalls a later step. Captures run the step on the
+        current inputs; rows past the running batch compute on free slots, whose contents do not
+        matter, and running rows rewrite the same key/value, so they are harmless."""
+        start = time.perf_counter()
+        for batch in reversed(self.batch_buckets):
+            for length in reversed(self.length_buckets):
+                self._graphs[(batch, length)] = self._capture(batch, length)
+        logger.info("captured %d decode graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
     def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
@@ -132,7 +143,6 @@ class SlotDecoder:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step(batch, length)
         self._pool = graph.pool()
-        logger.info("captured decode graph for batch %d, length %d", batch, length)
         return graph, logits
 
     def _step(self, batch: int, length: int) -> torch.Tensor:
