@@ -21,6 +21,7 @@ reference is a separate model rather than a CPU copy swapped in; old log-probs a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -86,6 +87,8 @@ class TrainActor:
         self.ref_models: list[Any] | None = None
         self.loaded_extra_state: dict[str, Any] = {}
         self.offloaded = False
+        self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
+        self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
         """`tcp://IP:PORT` on this actor's node, for torch.distributed (called on rank 0)."""
@@ -336,19 +339,35 @@ class TrainActor:
         self.offloaded = False
         return {"offloaded": False, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated()}
 
-    def update_weights(self, **kwargs: Any) -> dict[str, Any]:
-        """The weight-sync hook: `slime.sync.sync_weights(models=, bridge=, config=, rank=, world_size=,
-        **kwargs)` on this rank (kwargs: engine URLs, weight version, ... as slime.sync defines them)."""
-        try:
-            from slime.sync import sync_weights
-        except ImportError as exc:
-            raise ConfigError(f"weight sync is not available: {exc}") from None
-        t0 = time.monotonic()
-        result = sync_weights(models=self.models, bridge=self.bridge, config=self.config, rank=self.rank,
-                              world_size=self.world_size, **kwargs)
-        out = dict(result) if isinstance(result, dict) else {}
-        out.setdefault("perf/sync_time", time.monotonic() - t0)
-        return out
+    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, float]:
+        """Push the current weights to the engines at `urls` (`slime.sync.WeightSyncer`, mode from
+        `sync.weight_sync_mode`); the sync metrics. Every rank drains the weight export (it may gather
+        tensor-parallel shards); rank 0 alone talks to the engines, so the others return {}."""
+        from slime.backends.megatron.bridge import export_hf_weights
+
+        def weights() -> Any:
+            return export_hf_weights(self.bridge, self.models)
+
+        if self.rank != 0:
+            for _ in weights():
+                pass
+            return {}
+        if self.syncer is None:
+            import ray
+
+            from slime.sync import WeightSyncer
+
+            self.syncer = WeightSyncer(self.config.sync, colocated=self.config.cluster.colocate,
+                                       hf_config=self.bridge.hf_config,
+                                       master_address=ray.util.get_node_ip_address())
+        result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
+        return result.metrics()
+
+    def close(self) -> None:
+        """Release what the weight syncer holds between syncs (its process group); idempotent."""
+        if self.syncer is not None:
+            self._loop.run_until_complete(self.syncer.close())
+            self.syncer = None
 
 
 def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:

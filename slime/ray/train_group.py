@@ -7,6 +7,7 @@ returns rank 0's. Rank 0 chooses the torch.distributed address (`tcp://its-node-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -73,14 +74,16 @@ class TrainGroup:
     def onload(self) -> list[dict[str, Any]]:
         return self._all("onload")
 
-    def update_weights(self, **kwargs: Any) -> dict[str, Any]:
-        """Run the weight-sync hook on every rank (see `TrainActor.update_weights`); rank 0's result."""
-        return self._all("update_weights", **kwargs)[0]
+    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, float]:
+        """Sync the weights into the engines at `urls` (see `TrainActor.update_weights`); the metrics."""
+        return self._all("update_weights", urls, weight_version)[0]
 
     def shutdown(self) -> None:
-        """Kill the actors (their processes end with them)."""
+        """Close the weight syncer, then kill the actors (their processes end with them)."""
         import ray
 
+        with contextlib.suppress(ray.exceptions.RayError):
+            self._all("close")
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []

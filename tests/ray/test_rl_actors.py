@@ -1,7 +1,8 @@
 """End to end on CPU (tiny kit, one local Ray cluster with CPU bundles for the module): the rollout
 manager starts 2 built-in engines behind the real sglang-router and generates GRPO groups into the
-store; train groups of 2 and 1 data-parallel ranks train one step on that shard set and agree; a
-checkpoint with the data-source state resumes at the next rollout id."""
+store; train groups of 2 and 1 data-parallel ranks train one step on that shard set and agree; the
+weights synced into the engines (`slime.sync`, the mode `auto` picks) make the next rollout's log-probs
+match the trainer's again; a checkpoint with the data-source state resumes at the next rollout id."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def config(tiny_kit, tmp_path_factory):
         "rollout": {"rollout_batch_size": ROLLOUT_BATCH, "n_samples_per_prompt": GROUP,
                     "rollout_max_response_len": 6},
         "reward": {"custom_rm_path": "ray_plugins.rm_by_index"},
-        "train": {"global_batch_size": ROLLOUT_BATCH * GROUP, "micro_batch_size": 2, "lr": 1e-4},
+        "train": {"global_batch_size": ROLLOUT_BATCH * GROUP, "micro_batch_size": 2, "lr": 1e-2},
     })
 
 
@@ -92,8 +93,9 @@ def _check_first_step(metrics: dict) -> None:
 
 @pytest.fixture(scope="module")
 def trained(config, placement, manager):
-    """Rollout 10 trained by a 2-rank group and saved with the data-source state:
-    (shard set URI, train metrics, data-source state, checkpoint path)."""
+    """Rollout 10 trained by a 2-rank group and saved with the data-source state, then the weights
+    synced into the engines and rollout 11 trained: (shard set URI of 10, its train metrics, data-source
+    state, checkpoint path, sync metrics, train metrics of 11)."""
     import ray
 
     uri, _ = ray.get(manager.generate.remote(10))
@@ -105,21 +107,31 @@ def trained(config, placement, manager):
         group.onload()
         metrics = group.train(10, uri)
         path = group.save(10, {"data_source": state})
+        synced = group.update_weights(ray.get(manager.worker_urls.remote()), 11)
+        next_uri, _ = ray.get(manager.generate.remote(11))
+        after_sync = group.train(11, next_uri)
     finally:
         group.shutdown()
-    return uri, metrics, state, path
+    return uri, metrics, state, path, synced, after_sync
 
 
 def test_two_ranks_train_one_grpo_step_and_save(trained):
-    _, metrics, _, path = trained
+    _, metrics, _, path, _, _ = trained
     _check_first_step(metrics)
     assert metrics["rollout/raw_reward"] == pytest.approx(0.5)  # rm_by_index: half of every group
     assert is_committed(path) and path.endswith("iter_0000010")
 
 
+def test_after_a_weight_sync_the_engines_sample_from_the_trained_policy(trained):
+    _, _, _, _, synced, after = trained
+    assert synced["sync/bytes"] > 0 and synced["sync/total_s"] > 0
+    # lr 1e-2 moved every weight: engines still on the old weights would differ by far more than this
+    _check_first_step(after)
+
+
 @pytest.mark.slow
 def test_one_rank_trains_like_two(config, placement, trained):
-    uri, metrics, _, _ = trained
+    uri, metrics, _, _, _, _ = trained
     single = config.model_copy(deep=True)
     single.checkpoint.save = None  # one rank must not resume the two-rank checkpoint
     one = TrainGroup(single, placement, world_size=1)
@@ -136,7 +148,7 @@ def test_one_rank_trains_like_two(config, placement, trained):
 
 @pytest.mark.slow
 def test_checkpoint_resumes_at_the_next_rollout_with_its_state(config, placement, trained):
-    _, _, state, _ = trained
+    _, _, state, _, _, _ = trained
     resumed = TrainGroup(config, placement)
     try:
         assert resumed.init() == 11
