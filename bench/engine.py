@@ -9,6 +9,7 @@ a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
 
     python bench/engine.py --model runs/tiny-kit/model                   # CPU, tiny kit
     python bench/engine.py --model DIR --device cuda --dtype bfloat16    # GPU
+    python bench/engine.py ... --in-process   # also the engine without its HTTP server
 
 Figures go to docs/benchmarks.md (command, machine, median of the repeats).
 """
@@ -92,6 +93,16 @@ async def run_engine(url: str, prompts: list[list[int]], new_tokens: int) -> flo
     return elapsed
 
 
+async def run_engine_in_process(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """The same requests handed to an in-process engine: the engine's own cost, without HTTP."""
+    body = {"return_logprob": True, "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    start = time.perf_counter()
+    replies = await asyncio.gather(*[engine.generate({**body, "input_ids": p}) for p in prompts])
+    elapsed = time.perf_counter() - start
+    assert all(r["meta_info"]["completion_tokens"] == new_tokens for r in replies)
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -104,6 +115,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--skip-generate", action="store_true", help="only the engine")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also time the engine in this process (no HTTP server): the engine's own cost")
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "dynamic"],
                         help="the engine's KV cache (auto: slots with CUDA graphs on CUDA)")
     args = parser.parse_args()
@@ -137,14 +150,25 @@ def main() -> None:
                     generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
         finally:
             process.stop()
-    scratch.cleanup()
     results["built-in engine (HTTP)"] = (engine_warm, engine_times)
+    if args.in_process:
+        from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
+
+        engine = BuiltinEngine(EngineArgs(model_path=args.model, device=args.device, dtype=args.dtype,
+                                          max_running_requests=max(256, args.requests), kv_cache=args.kv_cache))
+        try:
+            warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
+            times = [asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens)) for _ in range(args.repeats)]
+        finally:
+            engine.shutdown()
+        results["built-in engine (in process)"] = (warm, times)
+    scratch.cleanup()
     if generate_times:
         results["transformers generate"] = (generate_warm, generate_times)
 
     for name, (warm, times) in results.items():
         median = statistics.median(times)
-        print(f"{name:26s} {tokens / median:10.0f} tok/s  (median {median:.2f} s, min {min(times):.2f}, "
+        print(f"{name:30s} {tokens / median:10.0f} tok/s  (median {median:.2f} s, min {min(times):.2f}, "
               f"max {max(times):.2f}; warm-up run {warm:.2f} s)")
     if generate_times:
         ratios = [g / e for g, e in zip(generate_times, engine_times, strict=True)]
