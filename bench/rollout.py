@@ -11,7 +11,7 @@ repeat runs, alternating (A B A B ...) so drift of a shared machine hits both al
 Output: samples/s and tokens/s of each (median over `--repeats`, after one untimed warm-up of each)
 and the overhead `1 - rollout tokens/s / raw tokens/s`, taken repeat by repeat. On a shared, loaded
 machine wall-clock figures swing by 2-3x between repeats, so CPU time is reported too (psutil, this
-process + the router + the engines, children included): the rollout layer's extra CPU seconds (driver +
+process alone, the router and the engines with their children): the rollout layer's extra CPU seconds (driver +
 router, minus what the raw driver spends) per engine CPU second. On a CPU-bound machine that extra CPU
 is taken from the engines, so it bounds the throughput the layer costs, independently of other load.
 
@@ -49,11 +49,11 @@ def make_args(kit, router, store: str, opts: argparse.Namespace):
     return rollout_args(Config.model_validate(nested), router)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its children (threads included)."""
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds of a process (threads included) and, if asked, its children."""
     proc = psutil.Process(pid)
     total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
+    for p in [proc, *(proc.children(recursive=True) if children else [])]:
         try:
             times = p.cpu_times()
         except psutil.NoSuchProcess:
@@ -69,7 +69,8 @@ class CpuMeter:
         self.pids = {"driver": [psutil.Process().pid], "router": [router_pid], "engines": engine_pids}
 
     def snapshot(self) -> dict[str, float]:
-        return {k: sum(cpu_seconds(p) for p in pids) for k, pids in self.pids.items()}
+        # the engines and the router are this process's children: count the driver alone
+        return {k: sum(cpu_seconds(p, children=k != "driver") for p in pids) for k, pids in self.pids.items()}
 
     def measure(self, fn):
         before = self.snapshot()
