@@ -183,7 +183,6 @@ class TrainActor:
 
     def train(self, rollout_id: int, uri: str) -> dict[str, float]:
         """Train on the rollout shard set at `uri`; global metrics (identical on every rank)."""
-        import torch
 
         from slime.backends.megatron.train import StepSettings, train_step
         from slime.storage import read_samples
@@ -193,7 +192,7 @@ class TrainActor:
         samples = read_samples(uri, c.run.storage_options or None)
         if not samples:
             raise DataFormatError(f"{uri}: the rollout shard set holds no samples")
-        rewards = self._normalized_rewards(samples, uri)
+        raw, rewards = self._rewards(samples, uri)
         for sample, reward in zip(samples, rewards, strict=True):
             sample.metadata["normalized_reward"] = reward
         steps = steps_per_rollout(c, len(samples))
@@ -216,16 +215,15 @@ class TrainActor:
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         metrics.update(stats)
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
-                        "rollout/raw_reward": float(torch.tensor([s.get_reward_value(c.as_namespace())
-                                                                  for s in samples]).mean()),
+                        "rollout/raw_reward": sum(raw) / len(raw),
                         "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
                         "perf/train_time": t3 - t0, "rollout_id": float(rollout_id)})
         logger.info("rank %d rollout %d: %d steps, loss %.4f, grad_norm %.4f, %.2f s", self.rank, rollout_id,
                     steps, metrics.get("train/loss", math.nan), metrics.get("train/grad_norm", math.nan), t3 - t0)
         return metrics
 
-    def _normalized_rewards(self, samples: list[Any], uri: str) -> list[float]:
-        """Group-normalised scalar rewards of the whole batch (every rank computes the same)."""
+    def _rewards(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
+        """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
         import torch
 
         from slime.algorithms.rewards import group_normalization_for, normalize_group_rewards
@@ -244,7 +242,7 @@ class TrainActor:
         how = group_normalization_for(c.algorithm.advantage_estimator, n,
                                       disable_rewards_normalization=c.algorithm.disable_rewards_normalization,
                                       disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
-        return normalize_group_rewards(raw, n, **how._asdict()).tolist()
+        return raw.tolist(), normalize_group_rewards(raw, n, **how._asdict()).tolist()
 
     def _arrays(self, mine: list[Any]) -> tuple[Any, dict[str, float]]:
         """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics."""

@@ -16,7 +16,7 @@ from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import TrainGroup
 from slime.storage import is_committed, read_samples
 
-ROLLOUT_BATCH, GROUP = 2, 4
+ROLLOUT_BATCH, GROUP, EVAL_PROMPTS = 2, 4, 20
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,7 @@ def config(tiny_kit, tmp_path_factory):
         "rollout": {"rollout_batch_size": ROLLOUT_BATCH, "n_samples_per_prompt": GROUP,
                     "rollout_max_response_len": 6},
         "reward": {"custom_rm_path": "ray_plugins.rm_by_index"},
+        "eval": {"eval_prompt_data": {"tiny": f"{tiny_kit.eval}@[0:{EVAL_PROMPTS}]"}, "eval_max_response_len": 4},
         "train": {"global_batch_size": ROLLOUT_BATCH * GROUP, "micro_batch_size": 2, "lr": 1e-2},
     })
 
@@ -79,6 +80,15 @@ def test_generate_and_data_source_state_round_trip(manager):
     again = read_samples(ray.get(manager.generate.remote(2))[0])
     assert [(s.group_index, s.prompt) for s in again] == [(s.group_index, s.prompt) for s in first]
     assert again[0].group_index == ROLLOUT_BATCH  # the batch after rollout 0, not a third one
+
+
+def test_eval(manager):
+    import ray
+
+    metrics = ray.get(manager.eval.remote(0))
+    assert metrics["eval/tiny/samples"] == EVAL_PROMPTS
+    assert metrics["eval/tiny/mean_reward"] == pytest.approx(0.5)  # rm_by_index over indices 0..19
+    assert is_committed(metrics["eval/summary_uri"].rsplit("/", 1)[0]) and metrics["perf/eval_time"] > 0
 
 
 def _check_first_step(metrics: dict) -> None:
@@ -134,6 +144,11 @@ def test_one_rank_trains_like_two(config, placement, trained):
     uri, metrics, _, _, _, _ = trained
     single = config.model_copy(deep=True)
     single.checkpoint.save = None  # one rank must not resume the two-rank checkpoint
+    # the reference-model path too: KL to a reference loaded with the same weights is 0 at the first
+    # step, and k3's gradient there is 0, so loss and grad norm must still match the 2-rank run
+    single.algorithm.use_kl_loss = True
+    single.algorithm.kl_loss_coef = 0.5
+    single.algorithm.kl_loss_type = "k3"
     one = TrainGroup(single, placement, world_size=1)
     try:
         assert one.init() == 0
@@ -141,6 +156,7 @@ def test_one_rank_trains_like_two(config, placement, trained):
     finally:
         one.shutdown()
     _check_first_step(alone)
+    assert alone["rollout/kl"] == pytest.approx(0.0, abs=1e-7) and alone["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
                  "train/train_rollout_logprob_abs_diff"):
         assert alone[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
