@@ -1,0 +1,38 @@
+"""How a rollout is cut into optimizer steps and data-parallel shares (pure functions, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime.config import Config
+from slime.errors import ConfigError, DataFormatError
+from slime.ray.train_actor import rank_share, steps_per_rollout, total_train_steps
+
+
+def _config(**train) -> Config:
+    return Config.model_validate({"rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                                              "num_rollout": 10}, "train": train})
+
+
+def test_steps_from_global_batch_size_or_count():
+    assert steps_per_rollout(_config(global_batch_size=8), 16) == 2
+    assert steps_per_rollout(_config(global_batch_size=8), 20) == 2  # remainder dropped, as in slime
+    assert steps_per_rollout(_config(num_steps_per_rollout=4), 16) == 4
+    assert steps_per_rollout(_config(), 16) == 1
+    with pytest.raises(DataFormatError, match="6 samples, fewer than global_batch_size 8"):
+        steps_per_rollout(_config(global_batch_size=8), 6)
+
+
+def test_total_steps_sizes_the_lr_schedule():
+    assert total_train_steps(_config(global_batch_size=4)) == 10 * 4
+    assert total_train_steps(Config()) is None  # num_rollout unknown
+
+
+def test_each_step_is_split_round_robin_over_ranks():
+    samples = list(range(10))  # 2 steps of 5 would not split over 2 ranks; 20 // 2 steps of 10 do
+    shares = [rank_share(list(range(20)), 2, rank, 2) for rank in range(2)]
+    assert shares[0] == [[0, 2, 4, 6, 8], [10, 12, 14, 16, 18]]
+    assert shares[1] == [[1, 3, 5, 7, 9], [11, 13, 15, 17, 19]]
+    assert rank_share(samples, 1, 0, 1) == [samples]
+    with pytest.raises(ConfigError, match="5 samples per optimizer step cannot be split over 2"):
+        rank_share(samples, 2, 0, 2)
