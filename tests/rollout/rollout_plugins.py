@@ -79,3 +79,20 @@ async def generate_with_own_client(args, sample: Sample, sampling_params):
     append_model_output(args, sample, reply.json())
     sample.metadata["seen"] = {"temperature": args.rollout_temperature, "params": dict(sampling_params)}
     return sample
+
+
+async def group_rm_by_position(args, samples) -> list:
+    """--group-rm: one call scores the whole group; reward = position in the group."""
+    return [float(i) for i in range(len(samples))]
+
+
+async def generate_fan_out(args, sample: Sample, sampling_params):
+    """Default generation, then two trainable fragments per trajectory (slime's fan-out shape)."""
+    import copy
+
+    from slime.rollout.generate import generate
+
+    sample = await generate(args, sample, sampling_params)
+    twin = copy.deepcopy(sample)
+    twin.metadata["fragment"] = 1
+    return [sample, twin]

@@ -193,3 +193,20 @@ def test_plugins_reach_the_router_and_sampling_settings_through_args(make_args, 
         assert s.metadata["seen"]["params"]["temperature"] == 0.7
         assert s.metadata["seen"]["params"]["max_new_tokens"] == 4
         assert 1 <= s.response_length <= 4 and len(s.rollout_log_probs) == s.response_length
+
+
+def test_group_rm_scores_each_group_in_one_call(make_args, tiny_kit):
+    args = make_args(rollout_batch_size=2, n_samples_per_prompt=3, group_rm=True,
+                     custom_rm_path="rollout_plugins.group_rm_by_position")
+    out = generate_rollout(args, 0, source(tiny_kit, args))
+    assert [[s.reward for s in g] for g in out.samples] == [[0.0, 1.0, 2.0]] * 2
+
+
+def test_fan_out_generate_keeps_fragments_together(make_args, tiny_kit, tmp_path):
+    args = make_args(rollout_batch_size=2, custom_generate_function_path="rollout_plugins.generate_fan_out",
+                     custom_rm_path="rollout_plugins.rm_one", run_id="fan", store=str(tmp_path / "store"))
+    out = generate_rollout(args, 0, source(tiny_kit, args))
+    assert len(out.samples) == 2 and all(len(g) == 2 and all(len(t) == 2 for t in g) for g in out.samples)
+    assert out.metrics["rollout/samples"] == 8
+    assert len(read_samples(out.metrics["rollout/uri"])) == 8
+    assert all(t[1].metadata["fragment"] == 1 and t[1].tokens == t[0].tokens for g in out.samples for t in g)
