@@ -171,3 +171,23 @@ def test_checkpoint_resumes_at_the_next_rollout_with_its_state(config, placement
         assert resumed.extra_state() == {"data_source": state}
     finally:
         resumed.shutdown()
+
+
+@pytest.mark.slow
+def test_two_steps_per_rollout_use_the_old_log_probs(config, placement, trained):
+    uri = trained[0]
+    two_steps = config.model_copy(deep=True)
+    two_steps.checkpoint.save = None
+    two_steps.train.global_batch_size = None
+    two_steps.train.num_steps_per_rollout = 2
+    group = TrainGroup(two_steps, placement, world_size=1)
+    try:
+        assert group.init() == 0
+        metrics = group.train(10, uri)
+    finally:
+        group.shutdown()
+    assert metrics["train/steps"] == 2
+    # step 1's ratio is exactly 1; step 2 compares the updated policy with the rollout-time log-probs
+    # (were they recomputed per step instead, ppo_kl would be 0 on both)
+    assert metrics["train/ppo_kl"] > 1e-6
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4  # measured before the first step
