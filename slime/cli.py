@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rejection-sample": ("slime.rejection_sampling.run_rejection_sampling", "sample N responses per prompt, "
                              "score them, keep the accepted ones as an SFT shard set (--rs-policy, --rs-reward-threshold, "
                              "--rs-best-of-n)"),
+        "evaluate": ("slime.evaluate.run_evaluate", "evaluate a checkpoint on every eval dataset: pass@k, mean "
+                     "reward, response length, stored under {run_id}/evaluate/ (--load, --eval-prompt-data or "
+                     "--eval-config; --eval-watch-run RUN for its newest checkpoint)"),
     }
     for name, (run, description) in stages.items():
         stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "

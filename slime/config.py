@@ -237,6 +237,13 @@ class EvalConfig(_Section):
     eval_max_response_len: int | None = Field(None, ge=1)
     eval_input_key: str | None = None
     eval_label_key: str | None = None
+    eval_num_engines: int = Field(1, ge=1, description="`slime evaluate`: inference engines started for the eval")
+    eval_watch_run: str | None = Field(None, description="`slime evaluate`: evaluate the newest committed "
+                                                         "checkpoint of this run (same store) instead of --load; "
+                                                         "skip when it was evaluated with this config already")
+    eval_watch_stages: list[str] = Field(["rl", "sft", "convert"], min_length=1,
+                                         description="eval_watch_run: stages whose {run}/{stage}/checkpoint are "
+                                                     "searched, first with a committed checkpoint wins")
 
 
 class EngineConfig(_Section):

@@ -24,9 +24,7 @@ metadata and in the returned summary. A committed output with the same config is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import sys
 import tempfile
 from collections import Counter
@@ -35,6 +33,7 @@ from typing import Any
 
 from slime.config import Config
 from slime.engines.client import EngineClient
+from slime.engines.fleet import policy_hf_dir, serve_policy
 from slime.errors import ConfigError, EngineError
 from slime.rollout.rewards import check_reward_config, reward_samples
 from slime.types import Sample, Status
@@ -155,68 +154,16 @@ async def generate_and_score(args: Any, router_url: str, prompts: list[Sample], 
     return groups
 
 
-@contextlib.contextmanager
-def serving(config: Config, model_dir: str, log_dir: Path):
-    """Engines for `model_dir` behind a fresh sglang-router; yields the router URL; stops all it started."""
-    from slime.engines.builtin.launcher import start_builtin_engine
-    from slime.engines.router import SGLangRouter
-    from slime.engines.sglang_server import SGLangEngine
-
-    n = config.rejection_sampling.rs_num_engines
-    stops = []
-    router = None
-    try:
-        urls = []
-        for i in range(n):
-            if config.engine.engine == "sglang":
-                engine = SGLangEngine(model_dir, sglang_args=config.sglang, log_path=log_dir / f"engine{i}.log")
-                stops.append(engine.stop)
-                urls.append(engine.start().url)
-            else:
-                process, url = start_builtin_engine(model_dir, log_path=log_dir / f"engine{i}.log",
-                                                    random_seed=config.run.seed + i)
-                stops.append(process.stop)
-                urls.append(url)
-        router = SGLangRouter(host=config.engine.sglang_router_ip, port=config.engine.sglang_router_port,
-                              worker_urls=urls, router_args=config.router, log_path=log_dir / "router.log")
-        router.start()
-        router.wait_workers_healthy(n, timeout_s=120)
-        yield router.url
-    finally:
-        if router is not None:
-            router.stop()
-        for stop in reversed(stops):
-            stop()
-
-
 # ----------------------------------------------------------------------------- policy
 
 
-def resolve_policy(config: Config, export_uri: str) -> str:
-    """An HF directory to serve: the policy itself, or its export (made once) when it is a Megatron checkpoint."""
-    from slime.export import resolve_checkpoint
-    from slime.storage import is_committed, read_manifest
-
+def policy_source(config: Config) -> str:
+    """The policy to sample from: `rs_policy`, else `checkpoint.load`, else `checkpoint.hf_checkpoint`."""
     source = config.rejection_sampling.rs_policy or config.checkpoint.load or config.checkpoint.hf_checkpoint
     if not source:
         raise ConfigError("rejection_sampling needs a policy: rs_policy (--rs-policy), checkpoint.load or "
                           "checkpoint.hf_checkpoint")
-    if os.path.isfile(os.path.join(source, "config.json")):
-        return source
-    checkpoint = resolve_checkpoint(source)  # NotCommittedError names the path when there is none
-    if is_committed(export_uri) and read_manifest(export_uri).metadata.get("source_checkpoint") == checkpoint:
-        return export_uri
-    if is_committed(export_uri):
-        raise ConfigError(f"{export_uri} holds the export of another checkpoint; choose another run_id or "
-                          f"rs_output_name")
-    from slime.export import run_export
-
-    export_config = config.model_copy(deep=True)
-    export_config.checkpoint.load = checkpoint
-    export_config.export.output_dir = export_uri
-    export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
-    logger.info("exporting %s to %s for sampling", checkpoint, export_uri)
-    return run_export(export_config)["hf_dir"]
+    return source
 
 
 # ----------------------------------------------------------------------------- stage
@@ -252,7 +199,7 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
         logger.info("rejection sampling output %s is committed already: reusing it", out_uri)
         return {**manifest.metadata["summary"], "output": out_uri, "candidates": candidates_uri, "reused": True}
 
-    model_dir = resolve_policy(config, store.uri(config.run.run_id, STAGE, "policy-hf"))
+    model_dir = policy_hf_dir(config, policy_source(config), store.uri(config.run.run_id, STAGE, "policy-hf"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(prompt_data, input_key=data.input_key, label_key=data.label_key,
                            metadata_key=data.metadata_key, tool_key=data.tool_key, tokenizer=tokenizer,
@@ -263,8 +210,9 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
                   else tokenizer.apply_chat_template(p.prompt, tokenize=True, add_generation_prompt=True)
                   for p in prompts]
     n = config.rollout.n_samples_per_prompt
-    with tempfile.TemporaryDirectory(prefix="slime-rs-") as logs, serving(config, model_dir, Path(logs)) as url:
-        groups = asyncio.run(generate_and_score(args, url, prompts, prompt_ids, n, sampling_params(config),
+    with (tempfile.TemporaryDirectory(prefix="slime-rs-") as logs,
+          serve_policy(config, model_dir, Path(logs), rs.rs_num_engines) as router):
+        groups = asyncio.run(generate_and_score(args, router.url, prompts, prompt_ids, n, sampling_params(config),
                                                 rs.rs_concurrency))
     accepted, stats = select_accepted(args, groups, threshold=rs.rs_reward_threshold, best_of_n=rs.rs_best_of_n,
                                       dedup=rs.rs_dedup, keep_truncated=rs.rs_keep_truncated)
