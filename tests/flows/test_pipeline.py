@@ -5,6 +5,7 @@ calling their stage function, and a corrupt artifact makes its stage (and what f
 import shutil
 
 import pytest
+from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 
 import tasks.convert
@@ -32,14 +33,6 @@ def calls(monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
     return counts
-
-
-def latest_artifact(client, key):
-    """The data of the newest artifact with `key`. The request leaves out the null filters that
-    `Artifact.get` sends: prefect 3.8's server answers those with 422 under this fastapi."""
-    response = client.request("POST", "/artifacts/filter", json={
-        "artifacts": {"key": {"any_": [key]}}, "sort": "UPDATED_DESC", "limit": 1, "offset": 0})
-    return response.json()[0]["data"]
 
 
 def statuses(results):
@@ -74,8 +67,7 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
             assert verify_files(artifact["uri"], read_manifest(artifact["uri"])) == []
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(state.state_details.flow_run_id).name == "post-training-t1"
-        sft_report, export_report = (latest_artifact(client, artifact_key("t1", stage, "report"))
-                                     for stage in ("sft", "export"))
+    sft_report, export_report = (Artifact.get(artifact_key("t1", stage, "report")).data for stage in ("sft", "export"))
     assert "**reused**" in sft_report and str(sft_dir) in sft_report
     assert "**ran**" in export_report and hf in export_report
 
