@@ -259,7 +259,11 @@ class SyncConfig(_Section):
 
     update_weights_interval: int = Field(1, ge=1)
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1, description="bytes per bucket")
-    update_weight_disk_dir: str | None = None
+    update_weight_disk_dir: str | None = Field(None, description="disk mode: where weights are written "
+                                                "(default: a temporary directory)")
+    weight_sync_mode: Literal["auto", "disk", "tensor", "distributed"] = Field(
+        "auto", description="auto: tensor when colocated, distributed otherwise (docs/sync.md)")
+    weight_sync_timeout_s: float = Field(600.0, gt=0, description="distributed mode: process-group timeout")
 
 
 class Config(BaseModel):

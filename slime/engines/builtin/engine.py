@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slime import __version__
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
+from slime.engines.builtin.weights import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class BuiltinEngine:
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
         )
         self.scheduler.weight_version = args.weight_version
+        self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
+        self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
         self.scheduler.start()
         logger.info("built-in engine: %s on %s (%s)", args.model_path, self.device, self.dtype)
 
@@ -180,23 +183,65 @@ class BuiltinEngine:
             state: dict[str, torch.Tensor] = {}
             for path in files:
                 state.update(load_file(path))
-            result = self.model.load_state_dict(state, strict=False)
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-            missing = sorted(set(result.missing_keys) - tied)
-            if missing or result.unexpected_keys:
+            missing = sorted(set(self.weights.targets.tensors) - set(state) - tied)
+            unexpected = sorted(set(state) - set(self.weights.targets.tensors))
+            if missing or unexpected:  # checked before anything is copied: a refused update changes nothing
                 raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
-                                 f"unexpected {sorted(result.unexpected_keys)[:5]}")
+                                 f"unexpected {unexpected[:5]}")
+            for name, tensor in state.items():
+                self.weights.targets.check(name, tensor.shape, tensor.dtype)
+            self.weights.targets.copy_in(list(state.items()))
             return f"loaded {len(state)} tensors from {model_path}"
 
+        result = self._weight_update("disk", lambda: self.scheduler.run_command(load).result(), weight_version)
+        if result["success"]:
+            self.model_path = model_path
+        return {**result, "num_paused_requests": 0}
+
+    def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /update_weights_from_tensor (see weights.py for the transport)."""
+        return self._weight_update(
+            "tensor", lambda: self.weights.from_tensor(body.get("serialized_named_tensors"), body.get("load_format")),
+            body.get("weight_version"), body.get("abort_all_requests"))
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /update_weights_from_distributed: receive the announced tensors from the group."""
+        return self._weight_update("distributed", lambda: self.weights.from_distributed(body),
+                                   body.get("weight_version"), body.get("abort_all_requests"))
+
+    def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._control(lambda: self.weights.init_group(body))
+
+    def destroy_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._control(lambda: self.weights.destroy_group(body.get("group_name")))
+
+    @staticmethod
+    def _control(fn: Any) -> dict[str, Any]:
         try:
-            message = self.scheduler.run_command(load).result()
-        except Exception as exc:
-            return {"success": False, "message": f"weight update failed: {exc}", "num_paused_requests": 0}
-        self.model_path = model_path
-        if weight_version is not None:
-            self.scheduler.weight_version = str(weight_version)
-            message += f" Weight version updated to {weight_version}."
-        return {"success": True, "message": message, "num_paused_requests": 0}
+            return {"success": True, "message": fn()}
+        except (BadRequestError, ValueError) as exc:  # the update itself is wrong
+            return {"success": False, "message": str(exc)}
+        except Exception as exc:  # a store or group that cannot be reached: reported, the engine keeps serving
+            logger.exception("weight update group operation failed")
+            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+
+    def _weight_update(self, source: str, apply: Any, weight_version: Any, abort_all: Any = False) -> dict[str, Any]:
+        """Run one in-place update; {"success", "message"} as SGLang answers, the version set on success."""
+        if weight_version is not None and not isinstance(weight_version, str):
+            return {"success": False, "message": f"weight_version must be a string, got {weight_version!r}"}
+        if abort_all:
+            self.scheduler.abort(abort_all=True)
+        paused = self.scheduler.paused
+        result = self._control(apply)
+        if result["success"] and weight_version is not None:
+            self.scheduler.weight_version = weight_version
+            result["message"] += f" Weight version updated to {weight_version}."
+        self.last_weight_update = {"source": source, "success": result["success"], "paused": paused,
+                                   "weight_version": self.scheduler.weight_version, "time": time.time()}
+        if not result["success"]:
+            logger.warning("weight update from %s refused: %s", source, result["message"])
+        return result
 
     def release_memory(self) -> None:
         """Give back accelerator memory (weights to host); refused while requests are in flight."""
@@ -231,6 +276,8 @@ class BuiltinEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
                                  "generated_tokens": self.scheduler.generated_tokens,
-                                 "paused": self.scheduler.paused}],
+                                 "paused": self.scheduler.paused,
+                                 "last_weight_update": self.last_weight_update,
+                                 "weight_update_groups": sorted(self.weights.groups)}],
             "version": __version__,
         }

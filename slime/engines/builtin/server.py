@@ -33,6 +33,11 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+def _answer(result: dict[str, Any]) -> JSONResponse:
+    """SGLang's weight-update answer: {"success", "message", ...}, 200 or 400."""
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw:
@@ -150,7 +155,23 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         if body.get("abort_all_requests"):
             engine.scheduler.abort(abort_all=True)
         result = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"], body.get("weight_version"))
-        return JSONResponse(result, status_code=200 if result["success"] else 400)
+        return _answer(result)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        return _answer(await asyncio.to_thread(engine.update_weights_from_tensor, await _json_body(request)))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        return _answer(await asyncio.to_thread(engine.init_weights_update_group, await _json_body(request)))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        return _answer(await asyncio.to_thread(engine.update_weights_from_distributed, await _json_body(request)))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        return _answer(await asyncio.to_thread(engine.destroy_weights_update_group, await _json_body(request)))
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation() -> Response:

@@ -1,0 +1,224 @@
+"""In-place weight updates of the built-in engine from tensors: SGLang's tensor and distributed paths.
+
+Two ways in, both with SGLang 0.5.23's request bodies:
+
+* `/update_weights_from_tensor` (same host, colocated): `serialized_named_tensors` holds one entry
+  per tensor-parallel rank (this engine has one), each the base64 text of a `torch.multiprocessing`
+  `ForkingPickler` dump of a list of `(name, tensor)` pairs, SGLang's `MultiprocessingSerializer`
+  format. The tensors themselves do not travel in the body: CPU tensors are shared-memory files
+  (the sender pickles with the `file_system` sharing strategy, which works between unrelated
+  processes), CUDA tensors are CUDA IPC handles. Only torch's rebuild functions may be named in
+  the payload (`decode_named_tensors`), so the endpoint cannot be made to run arbitrary code.
+* `/init_weights_update_group` + `/update_weights_from_distributed` (separate hosts/devices): a
+  process group of its own (a TCPStore at the trainer plus `ProcessGroupGloo` on CPU or
+  `ProcessGroupNCCL` on GPU), never the default group; the trainer (rank 0) broadcasts each named
+  tensor in the announced order and this engine (rank `rank_offset`) receives it.
+
+Either way every tensor is checked against the model (name known, shape equal, floating dtype)
+before any is applied, then copied into the existing parameters on the model thread between two
+steps (`Scheduler.run_command`): the parameters keep their storage, so captured CUDA graphs and the
+slot decoder stay valid. Incoming tensors are cast to the engine's dtype, as SGLang's loaders do.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import io
+import logging
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime.engines.builtin.sampling import BadRequestError
+
+logger = logging.getLogger(__name__)
+
+# What a ForkingPickler dump of [(name, tensor), ...] may name: torch's rebuild functions, the
+# classes they rebuild and the dtype/size objects they take. Anything else is refused.
+_ALLOWED_GLOBALS = {
+    "torch.multiprocessing.reductions": {"rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename",
+                                         "rebuild_storage_fd", "rebuild_storage_empty", "rebuild_cuda_tensor",
+                                         "rebuild_typed_storage_child", "rebuild_nested_tensor",
+                                         "rebuild_sparse_coo_tensor"},
+    "torch.storage": {"UntypedStorage", "TypedStorage"},
+    "torch": {"Tensor", "Size", "device", "UntypedStorage", "TypedStorage"},
+    "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter"},
+    "torch.nn.parameter": {"Parameter"},
+    "collections": {"OrderedDict"},
+}
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED_GLOBALS.get(module, ()) or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} may not appear in serialized_named_tensors "
+                                     "(only torch tensors and their storages)")
+
+
+def decode_named_tensors(entry: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """One `serialized_named_tensors` entry -> [(name, tensor)]; BadRequestError if it is not one."""
+    try:
+        data = base64.b64decode(entry, validate=True) if isinstance(entry, str) else entry
+        named = _TensorUnpickler(io.BytesIO(data)).load()
+    except (binascii.Error, pickle.UnpicklingError, EOFError, ValueError, RuntimeError, TypeError) as exc:
+        raise BadRequestError(f"serialized_named_tensors: cannot decode the entry ({type(exc).__name__}: {exc}); "
+                              "expected base64 of a ForkingPickler dump of [(name, tensor), ...]") from None
+    if isinstance(named, dict):
+        named = list(named.items())
+    if not (isinstance(named, list | tuple) and all(
+            isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in named)):
+        raise BadRequestError("serialized_named_tensors: the entry must decode to a list of (name, tensor) pairs")
+    return [(name, tensor) for name, tensor in named]
+
+
+def parse_dtype(name: Any, tensor_name: str) -> torch.dtype:
+    key = name.removeprefix("torch.") if isinstance(name, str) else None
+    if key not in _DTYPES:
+        raise BadRequestError(f"tensor {tensor_name!r}: unknown dtype {name!r}; one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+class WeightTargets:
+    """The model's named parameters and persistent buffers, for checking and in-place copies."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+
+    def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """BadRequestError naming the tensor if it cannot be copied into the model."""
+        target = self.tensors.get(name)
+        if target is None:
+            raise BadRequestError(f"tensor {name!r} is not a parameter of the model "
+                                  f"(the model has {len(self.tensors)}, e.g. {next(iter(self.tensors), None)!r})")
+        if tuple(shape) != tuple(target.shape):
+            raise BadRequestError(f"tensor {name!r} has shape {list(shape)}, the model's is {list(target.shape)}")
+        if target.is_floating_point() and not dtype.is_floating_point:
+            raise BadRequestError(f"tensor {name!r} has dtype {dtype}, the model's parameter is {target.dtype}")
+
+    def copy_in(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy (cast) every tensor into its parameter, in place (model thread only)."""
+        with torch.no_grad():
+            for name, tensor in named:
+                self.tensors[name].copy_(tensor)
+
+
+@dataclass
+class _Group:
+    """One weight-update group this engine joined: its store (kept alive) and process group."""
+
+    store: Any
+    group: Any
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+
+class WeightUpdater:
+    """Applies tensor and distributed weight updates to a live model through `run_on_model_thread`."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device,
+                 run_on_model_thread: Callable[[Callable[[], Any]], Any]) -> None:
+        self.targets = WeightTargets(model)
+        self.device = device
+        self._run = run_on_model_thread
+        self.groups: dict[str, _Group] = {}
+        self._lock = threading.Lock()  # one distributed update at a time: receives must stay in order
+
+    # ------------------------------------------------------------------ same host
+    def from_tensor(self, serialized_named_tensors: Any, load_format: Any = None) -> str:
+        if load_format not in (None, "direct"):
+            raise BadRequestError(f"load_format {load_format!r} is not supported by the built-in engine "
+                                  "(send a list of (name, tensor) pairs, load_format null)")
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            raise BadRequestError("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+        named = decode_named_tensors(serialized_named_tensors[0])  # tensor parallel size 1: rank 0's entry
+        for name, tensor in named:
+            self.targets.check(name, tensor.shape, tensor.dtype)
+        self._run(lambda: self.targets.copy_in(named))
+        return f"updated {len(named)} tensors from serialized tensors"
+
+    # ------------------------------------------------------------------ distributed
+    def init_group(self, body: dict[str, Any]) -> str:
+        address, port = body.get("master_address"), body.get("master_port")
+        rank, world_size = body.get("rank_offset"), body.get("world_size")
+        group_name = body.get("group_name") or DEFAULT_GROUP_NAME
+        backend = body.get("backend") or "nccl"
+        if not isinstance(address, str) or not isinstance(port, int) or not isinstance(world_size, int) \
+                or not isinstance(rank, int):
+            raise BadRequestError("init_weights_update_group needs master_address (str), master_port, "
+                                  "rank_offset and world_size (int)")
+        if not 0 < rank < world_size:
+            raise BadRequestError(f"rank_offset {rank} must be in [1, world_size={world_size}) (rank 0 is the trainer)")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequestError(f"backend {backend!r}: the built-in engine joins 'gloo' or 'nccl' groups")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise BadRequestError("backend 'nccl' needs the engine on a CUDA device; this engine runs on "
+                                  f"{self.device} (use backend 'gloo')")
+        if group_name in self.groups:
+            raise BadRequestError(f"group {group_name!r} already exists; /destroy_weights_update_group it first")
+        timeout = dt.timedelta(seconds=float(body.get("timeout_s") or 600))
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(group_name, store)
+        if backend == "gloo":
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:
+            torch.cuda.set_device(self.device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        self.groups[group_name] = _Group(store, group, rank, world_size, backend, self.device)
+        logger.info("joined weight update group %r as rank %d of %d (%s, master %s:%d)",
+                    group_name, rank, world_size, backend, address, port)
+        return f"joined group {group_name!r} as rank {rank} of {world_size} ({backend})"
+
+    def destroy_group(self, group_name: str | None) -> str:
+        group_name = group_name or DEFAULT_GROUP_NAME
+        if self.groups.pop(group_name, None) is None:
+            raise BadRequestError(f"no weight update group {group_name!r}; groups: {sorted(self.groups)}")
+        return f"destroyed group {group_name!r}"
+
+    def from_distributed(self, body: dict[str, Any]) -> str:
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        group_name = body.get("group_name") or DEFAULT_GROUP_NAME
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) \
+                or not len(names) == len(dtypes) == len(shapes) or not names:
+            raise BadRequestError("update_weights_from_distributed needs names, dtypes and shapes: "
+                                  "non-empty lists of one length")
+        group = self.groups.get(group_name)
+        if group is None:
+            raise BadRequestError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        specs = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if not isinstance(name, str) or not isinstance(shape, list) or \
+                    not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise BadRequestError(f"tensor {name!r}: name must be a string and shape a list of sizes, got {shape!r}")
+            specs.append((name, parse_dtype(dtype, name), shape))
+        # Receive everything the trainer broadcasts even when a tensor does not fit the model: the
+        # trainer's broadcast would otherwise wait for this rank until the group times out.
+        received = []
+        with self._lock:
+            for name, dtype, shape in specs:
+                buffer = torch.empty(shape, dtype=dtype, device=group.device)
+                group.group.broadcast([buffer], dist.BroadcastOptions()).wait()
+                received.append((name, buffer))
+        if group.device.type == "cuda":
+            torch.cuda.synchronize(group.device)
+        for name, tensor in received:
+            self.targets.check(name, tensor.shape, tensor.dtype)
+        self._run(lambda: self.targets.copy_in(received))
+        return f"updated {len(received)} tensors from group {group_name!r}"

@@ -1,0 +1,148 @@
+"""Distributed mode (decoupled engines): the trainer broadcasts buckets over a process group of its own.
+
+The trainer's sending rank is rank 0 of a group with every engine (engine i is rank i + 1; each
+engine runs one tensor-parallel rank): a TCPStore at `master_address:port` and a `ProcessGroupGloo`
+(CPU) or `ProcessGroupNCCL` (GPU), independent of the trainer's default group. It is joined once
+through `/init_weights_update_group` (posted to every engine while the trainer joins too: the group
+forms only when all ranks are there) and reused by later syncs while the engine set is unchanged.
+Per bucket the trainer posts `/update_weights_from_distributed` (names, dtypes, shapes) to all engines
+and, concurrently, broadcasts the tensors one by one in that order. A failed sync drops the group
+(the engines are asked to destroy theirs), so the next sync forms a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+
+import torch
+import torch.distributed as dist
+
+from slime.engines.client import EngineClient
+from slime.engines.process import find_free_port
+from slime.sync.common import (
+    NamedTensors,
+    SyncResult,
+    Timer,
+    WeightSyncError,
+    buckets,
+    in_thread,
+    nbytes,
+    post_all,
+)
+
+logger = logging.getLogger(__name__)
+
+GROUP_NAME = "slime_weight_sync"
+SETTLE_S = 30.0  # after an engine failed, how long to let the broadcast to the others finish
+
+
+class _TrainerGroup:
+    """Rank 0's side of the group: its store (the TCPStore server) and process group."""
+
+    def __init__(self, address: str, port: int, world_size: int, backend: str, timeout: dt.timedelta) -> None:
+        self.store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                                   wait_for_workers=False)
+        prefixed = dist.PrefixStore(GROUP_NAME, self.store)
+        if backend == "gloo":
+            self.group = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, 0, world_size, options)
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.synchronize()
+
+
+class DistributedSync:
+    """Buckets of `buffer_size` bytes broadcast from this process (rank 0) to every engine."""
+
+    def __init__(self, buffer_size: int, *, master_address: str = "127.0.0.1", backend: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.buffer_size = buffer_size
+        self.master_address = master_address
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout = dt.timedelta(seconds=timeout_s)
+        self._group: _TrainerGroup | None = None
+        self._urls: list[str] = []
+
+    async def send(self, client: EngineClient, urls: list[str], weights: NamedTensors, version: str,
+                   result: SyncResult, timer: Timer, state: str) -> None:
+        try:
+            if self._group is None or self._urls != urls:
+                with timer("connect"):
+                    await self._connect(client, urls, state)
+            source = iter(buckets(weights, self.buffer_size))
+            with timer("export"):
+                bucket = next(source, None)
+            while bucket is not None:
+                with timer("export"):
+                    following = next(source, None)
+                await self._send_bucket(client, urls, bucket, version if following is None else None, timer, state)
+                result.buckets += 1
+                result.tensors += len(bucket)
+                result.bytes += sum(nbytes(t) for _, t in bucket)
+                bucket = following
+        except BaseException:
+            await self.close(client)  # a broken or half-used group is not reused
+            raise
+
+    async def _connect(self, client: EngineClient, urls: list[str], state: str) -> None:
+        await self.close(client)
+        port = find_free_port(self.master_address)
+        world_size = len(urls) + 1
+        bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
+                   "world_size": world_size, "group_name": GROUP_NAME, "backend": self.backend,
+                   "timeout_s": self.timeout.total_seconds()} for i in range(len(urls))]
+        joining = in_thread(lambda: _TrainerGroup(self.master_address, port, world_size, self.backend, self.timeout))
+        try:
+            # the engines answer once the group has formed, which needs this rank as well
+            await post_all(client, urls, "/init_weights_update_group", bodies, phase="connect", state=state)
+        except WeightSyncError:
+            # The trainer's side waits for the missing ranks until the timeout on its own daemon thread.
+            await self._destroy_on(client, urls)
+            raise
+        self._group = await joining
+        self._urls = list(urls)
+        logger.info("weight sync group of %d ranks formed (%s, %s:%d)", world_size, self.backend,
+                    self.master_address, port)
+
+    async def _send_bucket(self, client: EngineClient, urls: list[str], bucket: list[tuple[str, torch.Tensor]],
+                           version: str | None, timer: Timer, state: str) -> None:
+        device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
+        with timer("pack"):
+            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": GROUP_NAME, "flush_cache": False,
+                "weight_version": version}
+        group = self._group
+        with timer("transfer"):
+            sending = in_thread(lambda: group.broadcast(tensors))
+            try:
+                await post_all(client, urls, "/update_weights_from_distributed", body, phase="update", state=state)
+            except WeightSyncError:
+                # an engine that refused a tensor still received them all; one that died did not, and
+                # the broadcast to it ends with the group's timeout on the daemon thread
+                await asyncio.wait([sending], timeout=SETTLE_S)
+                if sending.done() and not sending.cancelled():
+                    sending.exception()  # retrieved: the HTTP failure is the error reported
+                raise
+            await sending
+
+    async def _destroy_on(self, client: EngineClient, urls: list[str]) -> None:
+        for url in urls:
+            try:
+                await client.post(url + "/destroy_weights_update_group", {"group_name": GROUP_NAME})
+            except Exception as exc:  # an engine that never joined or is gone: nothing to destroy
+                logger.debug("destroy_weights_update_group on %s: %s", url, exc)
+
+    async def close(self, client: EngineClient) -> None:
+        """Leave the group: the engines destroy their side, this process drops its own."""
+        if self._group is not None:
+            await self._destroy_on(client, self._urls)
+        self._group, self._urls = None, []

@@ -1,0 +1,128 @@
+"""The weight-sync entry point: choose the mode from the config, bracket every sync, time it.
+
+    syncer = WeightSyncer(config.sync, colocated=config.cluster.colocate, hf_config=bridge.hf_config)
+    result = await syncer.sync(router.worker_urls(), lambda: export_hf_weights(bridge, models), version)
+    await syncer.close()
+
+Every sync runs, on every engine URL (the router does not route these calls):
+`/pause_generation` -> `/flush_cache` -> the mode's transfer (the new `weight_version` is set with
+the last update call) -> `/continue_generation`, then checks that each engine reports the version.
+
+Failure: a `WeightSyncError` names every engine that refused or could not be reached and the phase.
+The engines are then left **paused** (none serves a half-updated model); those that failed during
+the transfer may hold a mix of old and new tensors, and none reports the new version. Sync again
+(the same or another engine set) to recover; `resume(urls)` continues generation without syncing.
+
+Multi-rank trainers: the weights iterator may be collective (mbridge gathers tensor-parallel shards),
+so every trainer rank must drain it; only the rank that calls `sync` (rank 0) talks to the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from slime.config import SyncConfig
+from slime.engines.client import EngineClient
+from slime.sync.common import NamedTensors, SyncResult, Timer, WeightSyncError, post_all
+
+logger = logging.getLogger(__name__)
+
+FLUSH_ATTEMPTS = 30  # /flush_cache is refused while requests are still running: retried once a second
+PAUSED_STATE = ("The engines are left paused; the ones that failed in the update may hold partly new "
+                "weights and keep their old weight_version. Sync again to recover.")
+
+
+def resolve_mode(config: SyncConfig, colocated: bool) -> str:
+    """`weight_sync_mode` with `auto` resolved: tensor when colocated, distributed otherwise."""
+    if config.weight_sync_mode != "auto":
+        return config.weight_sync_mode
+    return "tensor" if colocated else "distributed"
+
+
+class WeightSyncer:
+    """One per training run (the distributed mode keeps its process group between syncs)."""
+
+    def __init__(self, config: SyncConfig, *, colocated: bool = False, hf_config: Any = None,
+                 master_address: str = "127.0.0.1", backend: str | None = None) -> None:
+        self.config = config
+        self.mode = resolve_mode(config, colocated)
+        if self.mode == "disk":
+            from slime.sync.disk import DiskSync
+
+            directory = config.update_weight_disk_dir or tempfile.mkdtemp(prefix="slime-weights-")
+            self.transport: Any = DiskSync(directory, hf_config)
+        elif self.mode == "tensor":
+            from slime.sync.tensor import TensorSync
+
+            self.transport = TensorSync(config.update_weight_buffer_size)
+        else:
+            from slime.sync.distributed import DistributedSync
+
+            self.transport = DistributedSync(config.update_weight_buffer_size, master_address=master_address,
+                                             backend=backend, timeout_s=config.weight_sync_timeout_s)
+
+    async def sync(self, urls: Sequence[str], weights: Callable[[], NamedTensors],
+                   weight_version: str | int) -> SyncResult:
+        """Push `weights()` to every engine at `urls` and set their `weight_version`."""
+        urls = [u.rstrip("/") for u in urls]
+        if not urls:
+            raise WeightSyncError("no engine URL given", phase="start")
+        version = str(weight_version)
+        result = SyncResult(self.mode, version, urls)
+        timer = Timer()
+        started = time.perf_counter()
+        # control calls are idempotent (retried); update calls are not retried (client per call)
+        async with EngineClient() as control, EngineClient(max_retries=0) as update:
+            with timer("pause"):
+                await post_all(control, urls, "/pause_generation", {}, phase="pause", state=PAUSED_STATE)
+            with timer("flush"):
+                await self._flush(control, urls)
+            try:
+                await self.transport.send(update, urls, weights(), version, result, timer, PAUSED_STATE)
+            except WeightSyncError:
+                raise
+            except Exception as exc:  # exporting, packing or broadcasting on this side
+                raise WeightSyncError(f"{type(exc).__name__}: {exc}", phase="update", state=PAUSED_STATE) from exc
+            with timer("continue"):
+                await post_all(control, urls, "/continue_generation", {}, phase="continue", state=PAUSED_STATE)
+            with timer("verify"):
+                infos = await post_all(control, urls, "/model_info", None, phase="verify", method="GET",
+                                       state="Generation has continued.")
+        stale = {url: f"reports weight_version {info.get('weight_version')!r}" for url, info in infos.items()
+                 if info.get("weight_version") != version}
+        if stale:
+            raise WeightSyncError(f"engines do not report weight_version {version!r}", phase="verify",
+                                  failures=stale, state="Generation has continued.")
+        result.seconds = {**timer.seconds, "total": time.perf_counter() - started}
+        logger.info("weight sync %s (%s) to %d engine(s): %.1f MB in %d bucket(s), %.3f s", version, self.mode,
+                    len(urls), result.bytes / 1e6, result.buckets, result.seconds["total"])
+        return result
+
+    async def _flush(self, client: EngineClient, urls: list[str]) -> None:
+        remaining = list(urls)
+        for attempt in range(FLUSH_ATTEMPTS):
+            try:
+                await post_all(client, remaining, "/flush_cache", {}, phase="flush", state=PAUSED_STATE)
+                return
+            except WeightSyncError as exc:
+                refused = {u for u, reason in exc.failures.items() if reason.startswith("HTTP 400")}
+                if attempt == FLUSH_ATTEMPTS - 1 or set(exc.failures) - refused:
+                    raise  # unreachable engines fail at once; busy ones after the last attempt
+                remaining = sorted(refused)
+            await asyncio.sleep(1.0)
+
+    async def resume(self, urls: Sequence[str]) -> None:
+        """`/continue_generation` on every engine (after a failed sync, to serve the weights they hold)."""
+        async with EngineClient() as client:
+            await post_all(client, [u.rstrip("/") for u in urls], "/continue_generation", {}, phase="continue",
+                           state="")
+
+    async def close(self) -> None:
+        """Release what the mode holds between syncs (the distributed group)."""
+        async with EngineClient(max_retries=0) as client:
+            await self.transport.close(client)
