@@ -180,7 +180,7 @@ def run_evaluate(config: Config) -> dict[str, Any]:
 
     Returns JSON-ready values: `metrics` ({dataset: {mean_reward, pass@k, truncated_ratio, response_len/...}}),
     `result` / `summary` / `datasets` URIs, `manifest_hash` of the result, the evaluated `checkpoint` and its
-    `checkpoint_manifest_hash`, `reused`, `skipped` (watch mode), `seconds`.
+    `checkpoint_manifest_hash`, `reused`, `skipped` (watch mode), `seconds` (and `phases` when it ran).
     """
     from slime.export import resolve_checkpoint
     from slime.rollout import generate_rollout, rollout_args
@@ -229,22 +229,27 @@ def run_evaluate(config: Config) -> dict[str, Any]:
         logger.info("evaluate: %s is committed already: reusing it", uri)
         return result
 
+    phases: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="slime-evaluate-") as tmp:
+        mark = time.perf_counter()
         model_dir = policy_hf_dir(config, source, os.path.join(tmp, "policy-hf"))
+        phases["export_s"], mark = time.perf_counter() - mark, time.perf_counter()
         with serve_policy(config, model_dir, Path(tmp), config.eval.eval_num_engines) as router:
+            phases["engines_s"], mark = time.perf_counter() - mark, time.perf_counter()
             eval_args = rollout_args(config, router)
             eval_args.hf_checkpoint = model_dir  # prompts are encoded with the served model's tokenizer
             eval_args.run_id = None  # the eval rollout's own store layout is the RL loop's; ours is below
-            eval_started = time.perf_counter()
             out = generate_rollout(eval_args, 0, None, evaluation=True)
-            eval_seconds = time.perf_counter() - eval_started
+            phases["eval_s"] = time.perf_counter() - mark
     names = [ds.name for ds in datasets]
     meta = {"checkpoint": source, "checkpoint_manifest_hash": policy_hash, "metrics": split_metrics(out.metrics, names),
-            "eval_seconds": eval_seconds, "settings": settings, "eval_key": key}
+            "eval_seconds": phases["eval_s"], "settings": settings, "eval_key": key}
+    mark = time.perf_counter()
     _write_result(store, uri, key, out, meta, run_id)
+    phases["commit_s"] = time.perf_counter() - mark
     for name in names:
         logger.info("evaluate %s on %s: %s", source, name, meta["metrics"][name])
-    return _result(meta, uri, manifest_hash(uri, store.storage_options), started, reused=False)
+    return {**_result(meta, uri, manifest_hash(uri, store.storage_options), started, reused=False), "phases": phases}
 
 
 if __name__ == "__main__":

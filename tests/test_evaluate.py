@@ -103,6 +103,8 @@ def test_evaluate_hf_model_summary_matches_shards_then_reuses(tiny_kit, setup):
     assert result["reused"] is False and result["skipped"] is False
     assert result["result"].startswith(str(root / "store" / "evals" / "evaluate" / "model-"))
     assert set(result["datasets"]) == set(result["metrics"]) == {"arith", "greedy"}
+    assert set(result["phases"]) == {"export_s", "engines_s", "eval_s", "commit_s"}
+    assert result["eval_seconds"] == result["phases"]["eval_s"] < result["seconds"]
 
     arith = read_samples(result["datasets"]["arith"])
     greedy = read_samples(result["datasets"]["greedy"])
@@ -136,7 +138,7 @@ def test_evaluate_hf_model_summary_matches_shards_then_reuses(tiny_kit, setup):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("slime.evaluate.serve_policy", lambda *a, **k: pytest.fail("engines started for a reuse"))
         again = run_evaluate(eval_config(tiny_kit, root, eval_yaml))
-    assert again["reused"] is True
+    assert again["reused"] is True and "phases" not in again
     assert {k: again[k] for k in ("result", "manifest_hash", "metrics")} == \
         {k: result[k] for k in ("result", "manifest_hash", "metrics")}
     # ... also through `python -m slime.evaluate`
