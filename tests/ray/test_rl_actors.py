@@ -6,33 +6,18 @@ match the trainer's again; a checkpoint with the data-source state resumes at th
 
 from __future__ import annotations
 
-import math
-
 import pytest
+from rl_setup import EVAL_PROMPTS, GROUP, ROLLOUT_BATCH, check_first_step, rl_config, started_manager
 
-from slime.config import Config
 from slime.ray.placement import RayCluster, create_placement
-from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import TrainGroup
 from slime.storage import is_committed, read_samples
-
-ROLLOUT_BATCH, GROUP, EVAL_PROMPTS = 2, 4, 20
 
 
 @pytest.fixture(scope="module")
 def config(tiny_kit, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray-rl")
-    return Config.model_validate({
-        "run": {"store": str(root / "store"), "run_id": "ray-e2e", "seed": 7},
-        "cluster": {"actor_num_gpus_per_node": 2, "rollout_num_gpus": 2},
-        "checkpoint": {"hf_checkpoint": str(tiny_kit.model_dir), "save": str(root / "checkpoints")},
-        "data": {"prompt_data": str(tiny_kit.train)},
-        "rollout": {"rollout_batch_size": ROLLOUT_BATCH, "n_samples_per_prompt": GROUP,
-                    "rollout_max_response_len": 6},
-        "reward": {"custom_rm_path": "ray_plugins.rm_by_index"},
-        "eval": {"eval_prompt_data": {"tiny": f"{tiny_kit.eval}@[0:{EVAL_PROMPTS}]"}, "eval_max_response_len": 4},
-        "train": {"global_batch_size": ROLLOUT_BATCH * GROUP, "micro_batch_size": 2, "lr": 1e-2},
-    })
+    return rl_config(tiny_kit, tmp_path_factory.mktemp("ray-rl"), "ray-e2e", actor_num_gpus_per_node=2,
+                     rollout_num_gpus=2)
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +33,8 @@ def placement(config):
 
 @pytest.fixture(scope="module")
 def manager(config, placement, tmp_path_factory):
-    import ray
-
-    actor = ray.remote(RolloutManager).options(**placement.manager_options()).remote(
-        config.model_dump(mode="json"), placement.engine_devices(), str(tmp_path_factory.mktemp("ray-logs")))
-    started = ray.get(actor.start.remote())
-    assert len(started["worker_urls"]) == 2
-    try:
+    with started_manager(config, placement, tmp_path_factory.mktemp("ray-logs")) as actor:
         yield actor
-    finally:
-        ray.get(actor.dispose.remote())
-        ray.kill(actor)
 
 
 def test_generate_and_data_source_state_round_trip(manager):
@@ -91,16 +67,6 @@ def test_eval(manager):
     assert is_committed(metrics["eval/summary_uri"].rsplit("/", 1)[0]) and metrics["perf/eval_time"] > 0
 
 
-def _check_first_step(metrics: dict) -> None:
-    assert metrics["train/steps"] == 1 and metrics["train/samples"] == ROLLOUT_BATCH * GROUP
-    assert abs(metrics["train/ppo_kl"]) < 1e-6  # first step on the rollout's own policy
-    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4  # engine and Megatron agree (fp32)
-    assert metrics["train/grad_norm"] > 0 and math.isfinite(metrics["train/loss"])
-    assert metrics["train/pg_clipfrac"] == 0.0
-    for name in ("train/entropy_loss", "train/pg_loss", "rollout/raw_reward", "perf/train_time", "train/lr"):
-        assert math.isfinite(metrics[name]), name
-
-
 @pytest.fixture(scope="module")
 def trained(config, placement, manager):
     """Rollout 10 trained by a 2-rank group and saved with the data-source state, then the weights
@@ -127,7 +93,7 @@ def trained(config, placement, manager):
 
 def test_two_ranks_train_one_grpo_step_and_save(trained):
     _, metrics, _, path, _, _ = trained
-    _check_first_step(metrics)
+    check_first_step(metrics)
     assert metrics["rollout/raw_reward"] == pytest.approx(0.5)  # rm_by_index: half of every group
     assert is_committed(path) and path.endswith("iter_0000010")
 
@@ -136,7 +102,7 @@ def test_after_a_weight_sync_the_engines_sample_from_the_trained_policy(trained)
     _, _, _, _, synced, after = trained
     assert synced["sync/bytes"] > 0 and synced["sync/total_s"] > 0
     # lr 1e-2 moved every weight: engines still on the old weights would differ by far more than this
-    _check_first_step(after)
+    check_first_step(after)
 
 
 @pytest.mark.slow
@@ -155,7 +121,7 @@ def test_one_rank_trains_like_two(config, placement, trained):
         alone = one.train(10, uri)
     finally:
         one.shutdown()
-    _check_first_step(alone)
+    check_first_step(alone)
     assert alone["rollout/kl"] == pytest.approx(0.0, abs=1e-7) and alone["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
                  "train/train_rollout_logprob_abs_diff"):
