@@ -39,9 +39,16 @@ class TrainGroup:
                        for rank in range(self.world_size)]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every rank; the first rank to fail raises at once (the others may be
+        blocked in a collective waiting for it, so waiting for all would hang)."""
         import ray
 
-        return ray.get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors])
+        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        return ray.get(refs)
 
     def init(self) -> int:
         """Initialise every rank; the rollout id to start from (0, or the resumed checkpoint's + 1)."""
@@ -82,8 +89,8 @@ class TrainGroup:
         """Close the weight syncer, then kill the actors (their processes end with them)."""
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayError):
-            self._all("close")
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # a rank may be dead or stuck
+            ray.get([actor.close.remote() for actor in self.actors], timeout=60)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []

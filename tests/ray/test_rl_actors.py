@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from rl_setup import EVAL_PROMPTS, GROUP, ROLLOUT_BATCH, check_first_step, rl_config, started_manager
 
+from slime.errors import ConfigError
 from slime.ray.placement import RayCluster, create_placement
 from slime.ray.train_group import TrainGroup
 from slime.storage import is_committed, read_samples
@@ -157,3 +158,14 @@ def test_two_steps_per_rollout_use_the_old_log_probs(config, placement, trained)
     # (were they recomputed per step instead, ppo_kl would be 0 on both)
     assert metrics["train/ppo_kl"] > 1e-6
     assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4  # measured before the first step
+
+
+def test_a_rank_that_refuses_the_config_fails_the_group_at_once(config, placement):
+    ppo = config.model_copy(deep=True)
+    ppo.algorithm.advantage_estimator = "ppo"
+    group = TrainGroup(ppo, placement)
+    try:
+        with pytest.raises(ConfigError, match="'ppo' needs a critic"):
+            group.init()
+    finally:
+        group.shutdown()
