@@ -3,6 +3,7 @@ store layout, a failed stage is where a re-run resumes, completed stages come ba
 calling their stage function, and a corrupt artifact makes its stage (and what follows) run again."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 from prefect.artifacts import Artifact
@@ -17,6 +18,8 @@ from flows.pipeline import pipeline
 from slime.errors import ConfigError
 from slime.storage import ArtifactStore, read_manifest
 from slime.storage.manifest import verify_files
+
+TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def statuses(results):
 
 def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_api, tiny_kit, tmp_path, calls):
     store, origin = tmp_path / "store", tmp_path / "origin"
-    params = {"config": "deployments/tiny-cpu.yaml", "store": str(store), "run_id": "t1",
+    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "t1",
               "overrides": ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
                             "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]}
     layout = ArtifactStore(str(store))
