@@ -40,6 +40,9 @@ from typing import Any
 from slime.config import Config, stable_hash
 from slime.engines.fleet import is_hf_dir, policy_hf_dir, serve_policy
 from slime.errors import ConfigError
+from slime.rollout import generate_rollout, rollout_args
+from slime.rollout.eval import EvalDatasetConfig, eval_datasets, load_dataset
+from slime.rollout.rewards import check_reward_config
 from slime.storage import (
     ArtifactStore,
     commit_directory,
@@ -104,14 +107,12 @@ def policy_label(path: str) -> str:
 # ----------------------------------------------------------------------------- eval settings
 
 
-def eval_settings(config: Config, args: Any) -> dict[str, Any]:
+def eval_settings(config: Config, datasets: list[EvalDatasetConfig]) -> dict[str, Any]:
     """Everything an eval result depends on besides the policy (the eval key is their hash with it)."""
-    from slime.rollout.eval import eval_datasets
-
     eval_fields = {k: v for k, v in config.eval.model_dump(mode="json").items() if k not in _NOT_IN_KEY}
     engine = config.engine.model_dump(mode="json", exclude={"sglang_router_ip", "sglang_router_port"})
     return {
-        "datasets": [d.model_dump(mode="json") for d in eval_datasets(args)],
+        "datasets": [d.model_dump(mode="json") for d in datasets],
         "eval": eval_fields,
         "rollout": config.rollout.model_dump(mode="json"),
         "reward": config.reward.model_dump(mode="json"),
@@ -122,11 +123,9 @@ def eval_settings(config: Config, args: Any) -> dict[str, Any]:
     }
 
 
-def check_datasets(args: Any) -> list[Any]:
+def check_datasets(args: Any) -> list[EvalDatasetConfig]:
     """Parse and read every eval dataset before any export or engine start; errors name the dataset and
     the file (and line, for a malformed record)."""
-    from slime.rollout.eval import eval_datasets, load_dataset
-
     datasets = eval_datasets(args)
     plain = copy.copy(args)
     plain.apply_chat_template = False  # the tokenizer is the served model's; templates are checked at eval
@@ -183,8 +182,6 @@ def run_evaluate(config: Config) -> dict[str, Any]:
     `checkpoint_manifest_hash`, `reused`, `skipped` (watch mode), `seconds` (and `phases` when it ran).
     """
     from slime.export import resolve_checkpoint
-    from slime.rollout import generate_rollout, rollout_args
-    from slime.rollout.rewards import check_reward_config
 
     started = time.perf_counter()
     config.require("run.run_id", stage=STAGE)
@@ -212,7 +209,7 @@ def run_evaluate(config: Config) -> dict[str, Any]:
                           "--hf-checkpoint, or --eval-watch-run RUN")
 
     policy_hash = policy_identity(source)
-    settings = eval_settings(config, args)
+    settings = eval_settings(config, datasets)
     key = stable_hash({"policy": policy_hash, "settings": settings})
     store = ArtifactStore.from_config(config)
     uri = store.uri(run_id, STAGE, f"{policy_label(source)}-{key[:10]}")
