@@ -155,7 +155,7 @@ def split_metrics(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[s
             for name in names}
 
 
-def _write_result(store: ArtifactStore, uri: str, key: str, out: Any, meta: dict[str, Any], run_id: str) -> None:
+def write_result(store: ArtifactStore, uri: str, key: str, out: Any, meta: dict[str, Any], run_id: str) -> None:
     """Dataset shard sets, then summary.json, then the manifest over all of it (written last)."""
     fs, root = open_fs(uri, store.storage_options)
     if fs.exists(root):  # an earlier attempt with this key died before its commit: nothing in it counts
@@ -242,7 +242,7 @@ def run_evaluate(config: Config) -> dict[str, Any]:
     meta = {"checkpoint": source, "checkpoint_manifest_hash": policy_hash, "metrics": split_metrics(out.metrics, names),
             "eval_seconds": phases["eval_s"], "settings": settings, "eval_key": key}
     mark = time.perf_counter()
-    _write_result(store, uri, key, out, meta, run_id)
+    write_result(store, uri, key, out, meta, run_id)
     phases["commit_s"] = time.perf_counter() - mark
     for name in names:
         logger.info("evaluate %s on %s: %s", source, name, meta["metrics"][name])

@@ -20,10 +20,11 @@ import yaml
 from slime.config import load_config
 from slime.convert import run_convert
 from slime.errors import ConfigError, DataFormatError, NotCommittedError
-from slime.evaluate import policy_label, run_evaluate, split_metrics
-from slime.storage import read_manifest, read_samples
+from slime.evaluate import policy_label, run_evaluate, split_metrics, write_result
+from slime.rollout import RolloutFnEvalOutput
+from slime.storage import ArtifactStore, read_manifest, read_samples, write_samples
 from slime.storage.fs import open_fs
-from slime.types import Status
+from slime.types import Sample, Status
 
 RM_SOURCE = """
 async def last_token_even(args, sample):
@@ -211,3 +212,21 @@ def test_labels_and_metric_split():
     assert policy_label("/models/Qwen2.5 0.5B/") == "Qwen2.5-0.5B"
     flat = {"eval/a/pass@1": 0.5, "eval/ab/pass@1": 1.0, "eval/a/samples": 4, "eval/time_s": 2.0}
     assert split_metrics(flat, ["a", "ab"]) == {"a": {"pass@1": 0.5, "samples": 4}, "ab": {"pass@1": 1.0}}
+
+
+def test_write_result_replaces_the_leftovers_of_a_failed_attempt(tmp_path):
+    """An attempt that died after committing one dataset's shard set left no result: the next attempt with
+    the same key starts clean, and its manifest lists only its own files."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    uri = store.uri("r", "evaluate", "model-0123456789")
+    write_samples(f"{uri}/a", [Sample(index=0, tokens=[1, 2], response_length=1, reward=0.0)])  # the dead attempt
+    (tmp_path / "store" / "r" / "evaluate" / "model-0123456789" / "stray.tmp").write_text("half")
+    samples = [Sample(index=i, group_index=i, tokens=[1, 2, 3], response_length=1, reward=1.0) for i in range(2)]
+    out = RolloutFnEvalOutput(data={"a": {"samples": samples}})
+    meta = {"checkpoint": "ckpt", "metrics": {"a": {"samples": 2}}}
+    write_result(store, uri, "k" * 64, out, meta, "r")
+    manifest = read_manifest(uri)
+    assert manifest.config_hash == "k" * 64 and manifest.metadata == meta
+    assert "stray.tmp" not in {f.path for f in manifest.files}
+    assert [s.index for s in read_samples(f"{uri}/a")] == [0, 1]
+    assert read_json(f"{uri}/summary.json") == meta
