@@ -48,7 +48,8 @@ class DiskSync:
             await post_all(client, urls, "/update_weights_from_disk",
                            {"model_path": str(target), "weight_version": version}, phase="update", state=state)
         if self._previous is not None and self._previous != target:
-            shutil.rmtree(self._previous, ignore_errors=True)
+            with timer("cleanup"):
+                shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = target
 
     async def close(self, client: EngineClient) -> None:

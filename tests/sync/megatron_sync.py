@@ -57,7 +57,8 @@ def main() -> None:
                 for model in models:
                     for param in model.parameters():
                         param.add_(0.05 * torch.randn(param.shape, generator=generator))
-            config = SyncConfig(weight_sync_mode=mode, update_weight_buffer_size=256 * 1024,
+            buffer = int(os.environ.get("SLIME_SYNC_BUFFER_BYTES", 256 * 1024))
+            config = SyncConfig(weight_sync_mode=mode, update_weight_buffer_size=buffer,
                                 update_weight_disk_dir=f"{work_dir}/weights")
             syncer = WeightSyncer(config, hf_config=bridge.hf_config)
             result = asyncio.run(syncer.sync(urls, lambda: export_hf_weights(bridge, models), f"step-{step}"))
