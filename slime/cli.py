@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate": ("slime.evaluate.run_evaluate", "evaluate a checkpoint on every eval dataset: pass@k, mean "
                      "reward, response length, stored under {run_id}/evaluate/ (--load, --eval-prompt-data or "
                      "--eval-config; --eval-watch-run RUN for its newest checkpoint)"),
+        "rl": ("slime.rl.run_rl", "the RL loop on Ray: rollout -> train -> weight sync, periodic eval and "
+               "checkpoint; resumes from the newest checkpoint under --save (--num-rollout, --async, "
+               "--update-weights-interval, --colocate)"),
     }
     for name, (run, description) in stages.items():
         stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "

@@ -44,6 +44,10 @@ class RunConfig(_Section):
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the store")
     run_id: str | None = Field(None, description="run directory under the store; reuse it to resume")
     seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")
+    use_tensorboard: bool = Field(False, description="`slime rl`: also write step metrics to TensorBoard (needs the "
+                                                     "tensorboard package)")
+    tensorboard_dir: str | None = Field(None, description="local TensorBoard log dir; None: {store}/{run_id}/rl/"
+                                                          "tensorboard (local stores only)")
 
 
 class ClusterConfig(_Section):
@@ -68,8 +72,8 @@ class CheckpointConfig(_Section):
     ref_load: str | None = Field(None, description="reference model checkpoint (KL, initial weights)")
     load: str | None = Field(None, description="checkpoint to resume from")
     save: str | None = Field(None, description="checkpoint directory")
-    save_interval: int | None = Field(None, ge=1, description="save every N rollouts (RL) or optimizer steps (SFT), "
-                                                              "and at the end")
+    save_interval: int | None = Field(None, ge=1, description="RL: save every N rollouts, and at the "
+                                                              "end (SFT: sft_save_interval)")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
@@ -196,6 +200,8 @@ class SftConfig(_Section):
     sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
     messages_key: str = "messages"
     sft_num_epoch: int = Field(1, ge=1)
+    sft_save_interval: int | None = Field(None, ge=1, description="save the full SFT training state every N "
+                                          "optimizer steps (resume point); None: only at the end")
 
 
 class RejectionSamplingConfig(_Section):
@@ -257,7 +263,10 @@ class EngineConfig(_Section):
 class SyncConfig(_Section):
     """Weight synchronisation from trainer to engines."""
 
-    update_weights_interval: int = Field(1, ge=1)
+    update_weights_interval: int = Field(1, ge=1, description="`slime rl`: sync the trainer's weights into the "
+                                                              "engines every N rollouts (and after the last)")
+    async_mode: bool = Field(False, description="`slime rl` one-step-off: generate rollout id+1 while training "
+                                                "on id (slime's train_async.py); CLI flag --async too")
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1, description="bytes per bucket")
     update_weight_disk_dir: str | None = Field(None, description="disk mode: where weights are written "
                                                 "(default: a temporary directory)")
@@ -486,6 +495,9 @@ def _field_kind(section: str, name: str) -> str:
     return "scalar"
 
 
+_FLAG_ALIASES = {"async": "async_mode"}  # slime's spelling, not a Python identifier
+
+
 def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """`--flag value` tokens -> (nested override dict, dotted path -> flag for error messages).
 
@@ -508,6 +520,7 @@ def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
                 values.append(tokens[i])
                 i += 1
         name = flag.replace("-", "_")
+        name = _FLAG_ALIASES.get(name, name)
         for prefix in ("sglang", "router"):
             if name.startswith(prefix + "_") and name not in FIELD_SECTION:
                 key = name[len(prefix) + 1 :]
@@ -657,6 +670,9 @@ def _validate(config: Config, where: dict[str, str]) -> None:
              f"{t.lr_decay_iters}", "train.lr_decay_iters")
     if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
         fail("train.lr_decay_style", "WSD needs lr_wsd_decay_iters (length of the decay phase)")
+    if config.sync.async_mode and config.cluster.colocate:
+        fail("sync.async_mode", "async (one-step-off) generation needs separate train and rollout GPUs: it "
+             "cannot be combined with colocate", "cluster.colocate")
     if config.checkpoint.save_interval and not config.checkpoint.save:
         fail("checkpoint.save_interval", "save_interval is set but save (the checkpoint directory) is not")
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:

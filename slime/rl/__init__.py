@@ -1,0 +1,62 @@
+"""`slime rl`: the RL loop on Ray, without Prefect (the Prefect flow wraps `RLLoop`'s steps).
+
+    slime rl --config deployments/tiny-cpu.yaml [--async] [--update-weights-interval 2]
+    python -m slime.rl --config ...
+
+`run_rl` sets up the Ray cluster, placement, rollout manager and train group once, then runs
+`RLLoop`'s steps for every rollout id from the start id (0, or the newest committed checkpoint's
+id + 1 with its data-source state, so a rerun of the same config draws the same next batch) to
+`num_rollout - 1`, and always stops what it started (errors, Ctrl-C and SIGTERM included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any
+
+from slime.config import Config
+from slime.rl.loop import RLLoop
+from slime.rl.metrics import read_metrics
+
+__all__ = ["RLLoop", "read_metrics", "run_rl"]
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM raises SystemExit in the main thread, so the loop's `finally` stops its processes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
+    """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record."""
+    loop = RLLoop(config, **loop_options)
+    steps: list[dict[str, Any]] = []
+    with _sigterm_as_exit():
+        try:
+            setup = loop.setup()
+            for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
+                loop.maybe_eval(rollout_id, before_train=True)
+                rollout = loop.rollout(rollout_id)
+                loop.train(rollout_id, rollout["uri"])
+                loop.maybe_save(rollout_id)
+                loop.sync(rollout_id)
+                loop.maybe_eval(rollout_id)
+                steps.append(loop.log_step(rollout_id))
+        finally:
+            loop.close()
+    return {"run_id": config.run.run_id, "start_rollout_id": setup["start_rollout_id"],
+            "num_rollout": loop.num_rollout, "resumed": setup["resumed"], "setup_s": setup["setup_s"],
+            "last_checkpoint": loop.last_checkpoint, "metrics_uri": loop.metrics_uri, "steps": steps}

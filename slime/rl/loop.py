@@ -1,0 +1,331 @@
+"""The RL loop as steps: set up the Ray actors once, then per rollout id rollout -> train -> save ->
+sync -> eval, each step a method that returns a small JSON-able dict (what a Prefect task per step
+returns). `run_rl` in `slime.rl` drives it; every Ray handle stays inside the `RLLoop` object.
+
+Order of one iteration (slime's `train.py`; `train_async.py` with `sync.async_mode`):
+
+    maybe_eval(id, before_train=True)     only at rollout 0 of a fresh run, unless skip_eval_before_train
+    rollout(id)       the shard set URI; async: also launches generate(id+1) before returning
+    train(id, uri)    the train group's global metrics
+    maybe_save(id)    every save_interval and at the last rollout: checkpoint + data-source state
+    sync(id)          every update_weights_interval (and before a due eval): weights -> engines,
+                      weight_version = id+1; async: waits for the in-flight generate(id+1) first
+    maybe_eval(id)    every eval_interval and at the last rollout, on weight version id+1
+    log_step(id)      one line of {store}/{run_id}/rl/metrics.jsonl (and TensorBoard); the record
+
+Colocated (`offload_rollout` / `offload_train`, default: `colocate`): engines release their memory
+after each rollout and take it back before the sync; train ranks take theirs back before training
+and release it after the sync. Ordering guarantee used for resume: the rollout manager is a
+single-threaded actor, so `data_source_state()` submitted right after `generate(id)` returns the
+state after exactly batch id, even when generate(id+1) is already queued behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from slime.config import Config
+from slime.errors import ConfigError
+from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable
+from slime.rl.stale import set_aside_stale_steps
+from slime.storage import ArtifactStore
+from slime.storage.fs import is_local, open_fs
+
+logger = logging.getLogger(__name__)
+
+STAGE = "rl"
+CLOSE_TIMEOUT_S = 600.0  # dispose waits behind a generate already running in the rollout manager
+
+
+def _due(rollout_id: int, interval: int | None, num_rollout: int) -> bool:
+    """slime's periodic rule: every `interval` rollouts, counting from 1, and at the last one."""
+    return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout)
+
+
+def _offloads(config: Config) -> tuple[bool, bool]:
+    """(offload_rollout, offload_train); None means: as colocate."""
+    c = config.cluster
+    rollout = c.colocate if c.offload_rollout is None else c.offload_rollout
+    train = c.colocate if c.offload_train is None else c.offload_train
+    return rollout, train
+
+
+def check_rl_config(config: Config) -> None:
+    """Everything the loop needs, checked before any process starts."""
+    config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
+                   stage=STAGE)
+    if config.rollout.num_rollout is None and config.data.num_epoch is None:
+        raise ConfigError("stage 'rl' needs rollout.num_rollout (--num-rollout) or data.num_epoch (--num-epoch)")
+    e = config.eval
+    if e.eval_interval and not (e.eval_prompt_data or e.eval_config):
+        raise ConfigError("eval.eval_interval is set but there is no eval dataset: set eval.eval_prompt_data "
+                          "(--eval-prompt-data name path) or eval.eval_config, or unset eval_interval")
+    offload_rollout, _ = _offloads(config)
+    if config.sync.async_mode and offload_rollout:
+        raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
+                          "false (engines cannot release their memory during a rollout)")
+    check_tensorboard(config.run.use_tensorboard)
+    if config.run.use_tensorboard and not config.run.tensorboard_dir:
+        store = ArtifactStore.from_config(config)
+        if not is_local(open_fs(store.root, store.storage_options)[0]):
+            raise ConfigError(f"run.use_tensorboard with the remote store {store.root}: set run.tensorboard_dir "
+                              "(--tensorboard-dir) to a local directory")
+
+
+class RLLoop:
+    """One RL run on Ray. `setup()` first, `close()` always (idempotent; also after errors)."""
+
+    def __init__(self, config: Config, *, log_dir: str | None = None, num_cpus: int | None = None,
+                 num_gpus: int | None = None) -> None:
+        check_rl_config(config)
+        self.config = config.model_copy(deep=True)
+        self.log_dir = log_dir
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.offload_rollout, self.offload_train = _offloads(config)
+        self.store = ArtifactStore.from_config(config)
+        self.metrics_uri = self.store.uri(config.run.run_id, STAGE, "metrics.jsonl")
+        self.cluster: Any = None  # a RayCluster this loop started (None: joined an initialised Ray)
+        self.placement: Any = None
+        self.manager: Any = None
+        self.train_group: Any = None
+        self.metrics_log: MetricsLog | None = None
+        self.num_rollout = 0
+        self.start_rollout_id = 0
+        self.weight_version = 0
+        self.worker_urls: list[str] = []
+        self.last_checkpoint: str | None = None
+        self._inflight: dict[int, tuple[Any, Any]] = {}  # rollout id -> (generate ref, data-source state ref)
+        self._ready: dict[int, tuple[str, dict[str, Any]]] = {}  # generated, not yet handed out
+        self._states: dict[int, Any] = {}  # rollout id -> ref of the data-source state after its batch
+        self._steps: dict[int, dict[str, Any]] = {}  # rollout id -> merged metrics of the step
+        self._evaluated: set[int] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------------- set-up
+
+    def setup(self) -> dict[str, Any]:
+        """Start Ray (or join it), the placement, the rollout manager and the train group; restore the
+        data-source state of a resumed checkpoint; push the trainer's weights into the engines."""
+        import ray
+
+        from slime.ray.placement import RayCluster, create_placement
+        from slime.ray.rollout_manager import RolloutManager
+        from slime.ray.train_group import TrainGroup
+
+        t0 = time.monotonic()
+        c = self.config
+        if not ray.is_initialized():
+            self.cluster = RayCluster.connect(c.cluster, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        self.placement = create_placement(c.cluster)
+        self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
+            c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir)
+        started = ray.get(self.manager.start.remote())
+        self.worker_urls = started["worker_urls"]
+        self.num_rollout = self._resolve_num_rollout()
+        self.train_group = TrainGroup(c, self.placement)
+        self.start_rollout_id = self.train_group.init()
+        moved: list[str] = []
+        if self.start_rollout_id > 0:
+            extra = self.train_group.extra_state()
+            if "data_source" in extra:
+                ray.get(self.manager.load_data_source_state.remote(extra["data_source"]))
+            else:
+                logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
+                               "start from the beginning of the data", self.start_rollout_id)
+            moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id)
+        sync = self._update_weights(self.start_rollout_id)  # engines start from the HF weights: align them
+        if self.offload_train:
+            self.train_group.offload()
+        tensorboard = None
+        if c.run.use_tensorboard:
+            tensorboard = c.run.tensorboard_dir or open_fs(
+                self.store.uri(c.run.run_id, STAGE, "tensorboard"), self.store.storage_options)[1]
+        self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard)
+        result = {"start_rollout_id": self.start_rollout_id, "num_rollout": self.num_rollout,
+                  "resumed": self.start_rollout_id > 0, "stale_outputs_moved": len(moved),
+                  "router_url": started["router_url"], "worker_urls": self.worker_urls,
+                  "weight_version": self.weight_version, "initial_sync_s": sync.get("sync/total_s"),
+                  "setup_s": time.monotonic() - t0}
+        logger.info("rl set up in %.1f s: rollouts %d..%d, %s", result["setup_s"], self.start_rollout_id,
+                    self.num_rollout - 1, "async (one-step-off)" if c.sync.async_mode else "sync")
+        return result
+
+    def _resolve_num_rollout(self) -> int:
+        """`num_rollout`, or slime's `len(prompts) // rollout_batch_size * num_epoch`; written into the
+        config the train group gets (its LR schedule length depends on it)."""
+        import ray
+
+        r = self.config.rollout
+        if r.num_rollout is None:
+            prompts = ray.get(self.manager.data_source_state.remote())["num_prompts"]
+            r.num_rollout = prompts // r.rollout_batch_size * self.config.data.num_epoch
+            logger.info("num_rollout = %d prompts // %d x %d epochs = %d", prompts, r.rollout_batch_size,
+                        self.config.data.num_epoch, r.num_rollout)
+        return r.num_rollout
+
+    # ------------------------------------------------------------------------- steps
+
+    def _launch(self, rollout_id: int) -> None:
+        self._inflight[rollout_id] = (self.manager.generate.remote(rollout_id),
+                                      self.manager.data_source_state.remote())
+
+    def _collect(self, rollout_id: int) -> tuple[str, dict[str, Any]]:
+        import ray
+
+        if rollout_id in self._ready:
+            return self._ready.pop(rollout_id)
+        if rollout_id not in self._inflight:
+            self._launch(rollout_id)
+        generate, state = self._inflight.pop(rollout_id)
+        self._states[rollout_id] = state
+        return ray.get(generate)
+
+    def rollout(self, rollout_id: int) -> dict[str, Any]:
+        """Generate rollout `rollout_id` (or collect it, launched by the previous step in async mode)
+        into the store; async: launch the next one before returning."""
+        import ray
+
+        t0 = time.monotonic()
+        uri, metrics = self._collect(rollout_id)
+        wait = time.monotonic() - t0
+        if self.config.sync.async_mode and rollout_id + 1 < self.num_rollout:
+            self._launch(rollout_id + 1)
+        if self.offload_rollout:
+            metrics.update(ray.get(self.manager.offload.remote()))
+        metrics["perf/rollout_wait_s"] = wait
+        self._step(rollout_id).update(metrics)
+        return {"rollout_id": rollout_id, "uri": uri, "wait_s": wait, **headline(metrics)}
+
+    def train(self, rollout_id: int, uri: str) -> dict[str, Any]:
+        """Train on the shard set `uri`; the train group's global metrics."""
+        if self.offload_train:
+            self.train_group.onload()
+        metrics = self.train_group.train(rollout_id, uri)
+        self._step(rollout_id).update(metrics)
+        return {"rollout_id": rollout_id, **jsonable(metrics)}
+
+    def sync_due(self, rollout_id: int) -> bool:
+        return (rollout_id + 1) % self.config.sync.update_weights_interval == 0 or self.eval_due(rollout_id)
+
+    def sync(self, rollout_id: int) -> dict[str, Any]:
+        """Push the weights trained on `rollout_id` into the engines when due (weight_version id+1);
+        with colocated offload, engines take their memory back first and train ranks release theirs after."""
+        import ray
+
+        metrics: dict[str, Any] = {}
+        if self.offload_rollout:
+            metrics.update(ray.get(self.manager.onload.remote()))
+        synced = self.sync_due(rollout_id)
+        if synced:
+            nxt = rollout_id + 1
+            if nxt in self._inflight:  # async: never change weights under a running generation
+                t0 = time.monotonic()
+                generate, state = self._inflight.pop(nxt)
+                self._states[nxt] = state
+                self._ready[nxt] = ray.get(generate)
+                metrics["perf/wait_inflight_rollout_s"] = time.monotonic() - t0
+            metrics.update(self._update_weights(nxt))
+        if self.offload_train:
+            self.train_group.offload()
+        metrics["weight_version"] = self.weight_version
+        self._step(rollout_id).update(metrics)
+        return {"rollout_id": rollout_id, "synced": synced, "weight_version": self.weight_version,
+                "sync_s": metrics.get("sync/total_s", 0.0)}
+
+    def _update_weights(self, version: int) -> dict[str, Any]:
+        metrics = self.train_group.update_weights(self.worker_urls, str(version))
+        self.weight_version = version
+        return metrics
+
+    def eval_due(self, rollout_id: int, before_train: bool = False) -> bool:
+        e = self.config.eval
+        if before_train:
+            return bool(e.eval_interval) and rollout_id == 0 and not e.skip_eval_before_train
+        return _due(rollout_id, e.eval_interval, self.num_rollout)
+
+    def maybe_eval(self, rollout_id: int, before_train: bool = False) -> dict[str, Any]:
+        """Evaluate the engines' current weights when due; stored as eval step `weight_version`."""
+        import ray
+
+        version = self.weight_version
+        if not self.eval_due(rollout_id, before_train) or version in self._evaluated:
+            return {"rollout_id": rollout_id, "evaluated": False}
+        metrics = ray.get(self.manager.eval.remote(version))
+        self._evaluated.add(version)
+        metrics["eval/weight_version"] = version
+        self._step(rollout_id).update(metrics)
+        return {"rollout_id": rollout_id, "evaluated": True, **jsonable(metrics)}
+
+    def save_due(self, rollout_id: int) -> bool:
+        ck = self.config.checkpoint
+        return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout)
+                                  or rollout_id + 1 == self.num_rollout)
+
+    def maybe_save(self, rollout_id: int) -> dict[str, Any]:
+        """When due, commit the train group's checkpoint `rollout_id` with the data-source state after
+        its batch (cursor and partial-rollout buffer): a rerun resumes with the next batch."""
+        import ray
+
+        if not self.save_due(rollout_id):
+            return {"rollout_id": rollout_id, "saved": False}
+        t0 = time.monotonic()
+        state = ray.get(self._states[rollout_id])
+        # weight_version: of the saved weights (trained through this rollout), what a resumed run syncs
+        extra = {"rollout_id": rollout_id, "data_source": state, "weight_version": rollout_id + 1,
+                 "partial_rollout_buffer_groups": len(state.get("buffer", []))}
+        self.last_checkpoint = self.train_group.save(rollout_id, extra)
+        for old in [i for i in self._states if i < rollout_id]:
+            del self._states[old]
+        seconds = time.monotonic() - t0
+        self._step(rollout_id).update({"perf/save_s": seconds})
+        return {"rollout_id": rollout_id, "saved": True, "path": self.last_checkpoint, "save_s": seconds}
+
+    def log_step(self, rollout_id: int) -> dict[str, Any]:
+        """Write the step's record (headline numbers first, then every scalar) and return it."""
+        metrics = self._steps.pop(rollout_id, {})
+        record = {"rollout_id": rollout_id, "time": time.time(), "weight_version": self.weight_version,
+                  "async": self.config.sync.async_mode, **headline(metrics), **jsonable(metrics)}
+        record = jsonable(record)
+        if self.metrics_log is not None:
+            self.metrics_log.append(record)
+        logger.info("rollout %d: reward %.4f, ppo_kl %.3g, grad_norm %.4g, rollout %.1f s, train %.1f s, sync %.1f s",
+                    rollout_id, record.get("rl/reward_mean", float("nan")), record.get("rl/ppo_kl", float("nan")),
+                    record.get("rl/grad_norm", float("nan")), record.get("rl/rollout_s", 0.0),
+                    record.get("rl/train_s", 0.0), record.get("rl/sync_s", 0.0))
+        return record
+
+    def _step(self, rollout_id: int) -> dict[str, Any]:
+        return self._steps.setdefault(rollout_id, {})
+
+    # ------------------------------------------------------------------------- shutdown
+
+    def close(self) -> None:
+        """Stop everything this loop started, in reverse order; each part even if another fails."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        if self.train_group is not None:
+            with contextlib.suppress(Exception):
+                self.train_group.shutdown()
+        if self.manager is not None:
+            try:  # runs after any generate still queued in the actor; its engines need stopping
+                ray.get(self.manager.dispose.remote(), timeout=CLOSE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - shutting down: report, go on
+                logger.warning("rollout manager dispose failed (%s): engine processes may be left", exc)
+            with contextlib.suppress(Exception):
+                ray.kill(self.manager)
+        if self.placement is not None:
+            with contextlib.suppress(Exception):
+                self.placement.remove()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        self._inflight.clear()
+        self._ready.clear()
+        self._states.clear()

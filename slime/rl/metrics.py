@@ -1,0 +1,125 @@
+"""Per-step RL metrics: the headline numbers of a step, a JSON-lines log in the store, TensorBoard.
+
+Every rollout step becomes one JSON object (one line of `{store}/{run_id}/rl/metrics.jsonl`) holding
+the headline keys below plus every scalar the rollout manager, the train group, the weight sync and
+the eval returned. The file is only ever appended to (one write per line), so a resumed run adds
+its lines after the killed run's; a step that ran twice (after the last checkpoint, before a kill)
+appears twice and the later line is the one that counts (`read_metrics` keeps it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from slime.errors import ConfigError
+from slime.storage.fs import is_local, open_fs
+
+logger = logging.getLogger(__name__)
+
+# headline key -> where it comes from (the first source present wins)
+HEADLINE: dict[str, tuple[str, ...]] = {
+    "rl/rollout_s": ("rollout/time_s", "perf/rollout_time"),
+    "rl/train_s": ("perf/train_time",),
+    "rl/sync_s": ("sync/total_s",),
+    "rl/tokens_per_s": ("rollout/tokens_per_s",),
+    "rl/reward_mean": ("rollout/raw_reward", "rollout/reward/mean"),
+    "rl/ppo_kl": ("train/ppo_kl",),
+    "rl/ref_kl": ("rollout/kl",),
+    "rl/entropy": ("train/entropy_loss",),
+    "rl/clip_frac": ("train/pg_clipfrac",),
+    "rl/grad_norm": ("train/grad_norm",),
+    "rl/logprob_abs_diff": ("train/train_rollout_logprob_abs_diff",),
+}
+
+
+def headline(metrics: dict[str, Any]) -> dict[str, float]:
+    """The headline numbers of one step's merged metrics (missing sources are left out)."""
+    out: dict[str, float] = {}
+    for key, sources in HEADLINE.items():
+        for source in sources:
+            value = metrics.get(source)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = float(value)
+                break
+    return out
+
+
+def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Scalars only, NaN/inf as None (strict JSON readers refuse NaN)."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+        elif isinstance(value, int | float | str | bool) or value is None:
+            out[key] = value
+    return out
+
+
+def check_tensorboard(enabled: bool) -> None:
+    """Fail before anything starts when TensorBoard logging is asked for but cannot work."""
+    if not enabled:
+        return
+    try:
+        import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+    except ImportError:
+        raise ConfigError("run.use_tensorboard (--use-tensorboard) is set but the 'tensorboard' package is not "
+                          "installed: pip install tensorboard, or turn use_tensorboard off") from None
+
+
+class MetricsLog:
+    """Appends step records to `uri` (any fsspec URL) and mirrors scalars to TensorBoard when asked."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
+                 tensorboard_dir: str | None = None) -> None:
+        self.uri = uri
+        self.storage_options = storage_options or {}
+        self.fs, self.path = open_fs(uri, self.storage_options)
+        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+        self.writer: Any = None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """One line per call; on a local store a single `write` in append mode (O_APPEND), elsewhere
+        read-modify-write (object stores have no append)."""
+        line = (json.dumps(jsonable(record), sort_keys=True) + "\n").encode()
+        if is_local(self.fs):
+            with open(self.path, "ab") as f:
+                f.write(line)
+        else:
+            before = self.fs.cat_file(self.path) if self.fs.exists(self.path) else b""
+            self.fs.pipe_file(self.path, before + line)
+        if self.writer is not None:
+            step = int(record["rollout_id"])
+            for key, value in record.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "rollout_id":
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def read_metrics(uri: str, storage_options: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+    """rollout id -> its record; a step written twice (re-run after a resume) keeps the later line."""
+    fs, path = open_fs(uri, storage_options or {})
+    if not fs.exists(path):
+        return {}
+    records: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(fs.cat_file(path).decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut by a crash mid-write
+            logger.warning("%s:%d: not JSON, skipped", uri, number)
+            continue
+        records[int(record["rollout_id"])] = record
+    return records

@@ -1,0 +1,48 @@
+"""Set aside the outputs of steps a resumed run will redo.
+
+A run killed after its checkpoint at rollout N may already have committed rollout N+1 (and more in
+async mode) and evals of weights that were never checkpointed. The resumed run regenerates those
+steps from the checkpoint, and committed shard sets are never overwritten, so the old ones are moved
+(not deleted: nothing is lost) to `{run_id}/rl_stale/{timestamp}-{stage}-{name}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from slime.storage import ArtifactStore
+from slime.storage.fs import open_fs
+
+logger = logging.getLogger(__name__)
+
+
+def _step_of(name: str) -> int | None:
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def set_aside_stale_steps(store: ArtifactStore, run_id: str, start_rollout_id: int) -> list[str]:
+    """Move rollout (and dropped-rollout) outputs of ids >= `start_rollout_id`, and evals of weight
+    versions > `start_rollout_id`, out of the way; the new URIs."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    moved: list[str] = []
+    for stage, first in (("rollout", start_rollout_id), ("rollout_dropped", start_rollout_id),
+                         ("eval", start_rollout_id + 1)):
+        fs, root = open_fs(store.uri(run_id, stage), store.storage_options)
+        if not fs.exists(root):
+            continue
+        for entry in sorted(fs.ls(root, detail=False)):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            step = _step_of(name)
+            if step is None or step < first:
+                continue
+            target = store.uri(run_id, "rl_stale", f"{stamp}-{stage}-{name}")
+            _, target_path = open_fs(target, store.storage_options)
+            fs.makedirs(target_path.rsplit("/", 1)[0], exist_ok=True)
+            fs.mv(entry, target_path, recursive=True)
+            moved.append(target)
+    if moved:
+        logger.info("resume at rollout %d: moved %d outputs of steps to redo under %s", start_rollout_id,
+                    len(moved), store.uri(run_id, "rl_stale"))
+    return moved

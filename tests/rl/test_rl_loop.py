@@ -1,0 +1,137 @@
+"""`slime rl` end to end on CPU (tiny kit, GRPO, one local Ray cluster for the module): 2 built-in
+engines behind the router and 2 data-parallel train ranks run 3 rollouts with saves, evals and a
+weight sync every step; a run stopped after its checkpoint resumes with the same next batch as an
+uninterrupted run; async mode samples one weight version behind."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ray"))  # rl_setup, ray_plugins (before Ray starts)
+
+from rl_setup import GROUP, ROLLOUT_BATCH, rl_config  # noqa: E402
+
+from slime.backends.megatron.checkpoint import latest_checkpoint, read_training_state  # noqa: E402
+from slime.rl import RLLoop, read_metrics, run_rl  # noqa: E402
+from slime.storage import ArtifactStore, is_committed, read_samples  # noqa: E402
+
+NUM_ROLLOUT = 3
+
+
+def loop_config(tiny_kit, root: Path, run_id: str, ranks: int = 2, engines: int = 2, **sections):
+    config = rl_config(tiny_kit, root / run_id, run_id, actor_num_gpus_per_node=ranks, rollout_num_gpus=engines)
+    config.run.store = str(root / "store")  # one store: runs side by side
+    config.rollout.num_rollout = NUM_ROLLOUT
+    config.checkpoint.save_interval = 2
+    for section, values in sections.items():
+        for name, value in values.items():
+            setattr(getattr(config, section), name, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("rl")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_kit, root):
+    from slime.ray.placement import RayCluster
+
+    cluster = RayCluster.connect(loop_config(tiny_kit, root, "sizing").cluster, num_gpus=0)
+    yield cluster
+    cluster.shutdown()
+
+
+def rollout_rows(config, rollout_id: int) -> list[tuple]:
+    uri = ArtifactStore.from_config(config).uri(config.run.run_id, "rollout", f"{rollout_id:06d}")
+    return [(s.group_index, s.index, s.prompt) for s in read_samples(uri)]
+
+
+def versions(config, rollout_id: int) -> set[tuple[str, ...]]:
+    uri = ArtifactStore.from_config(config).uri(config.run.run_id, "rollout", f"{rollout_id:06d}")
+    return {tuple(s.weight_versions) for s in read_samples(uri)}
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_kit, root, ray_cluster):
+    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2})
+    return config, run_rl(config)
+
+
+def test_three_grpo_rollouts_with_saves_evals_and_metrics(full_run):
+    config, result = full_run
+    assert result["start_rollout_id"] == 0 and not result["resumed"]
+    assert [s["rollout_id"] for s in result["steps"]] == [0, 1, 2]
+    save = config.checkpoint.save
+    assert result["last_checkpoint"].endswith("iter_0000002") and latest_checkpoint(save) == result["last_checkpoint"]
+    assert is_committed(f"{save}/iter_0000001")  # save_interval 2: after rollout 1, then at the end
+    assert not is_committed(f"{save}/iter_0000000")
+    extra = read_training_state(result["last_checkpoint"]).extra_state
+    assert extra["rollout_id"] == 2 and extra["weight_version"] == 3
+    assert extra["data_source"]["sample_group_index"] == NUM_ROLLOUT * ROLLOUT_BATCH  # after batch 2, not beyond
+
+    records = read_metrics(result["metrics_uri"])
+    assert sorted(records) == [0, 1, 2] and records[2] == result["steps"][2]
+    for rollout_id, r in records.items():
+        assert r["weight_version"] == rollout_id + 1  # synced after every step
+        assert r["rl/reward_mean"] == pytest.approx(0.5)  # rm_by_index: half of every group
+        assert r["rl/rollout_s"] > 0 and r["rl/train_s"] > 0 and r["rl/sync_s"] > 0 and r["rl/tokens_per_s"] > 0
+        assert r["rl/grad_norm"] > 0 and r["rl/clip_frac"] == 0.0 and r["rl/entropy"] > 0
+        assert abs(r["rl/ppo_kl"]) < 1e-6  # one step per rollout, on the rollout's own policy
+        # lr 1e-2 moves every weight: a rollout from stale weights would differ by ~0.1 or more
+        assert r["rl/logprob_abs_diff"] < 1e-4, rollout_id
+        assert r["train/samples"] == ROLLOUT_BATCH * GROUP
+        assert versions(config, rollout_id) == {(str(rollout_id),)}  # every token from the synced weights
+    # evals: before training (weight version 0), after rollout 1 (version 2) and at the end (version 3)
+    assert records[0]["eval/weight_version"] == 0 and records[1]["eval/weight_version"] == 2
+    assert records[2]["eval/weight_version"] == 3
+    assert ArtifactStore.from_config(config).committed(config.run.run_id, "eval") == [
+        f"{v:06d}-{name}" for v in (0, 2, 3) for name in ("summary", "tiny")]
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_with_the_same_next_batch(tiny_kit, root, ray_cluster, full_run):
+    full_config, _ = full_run
+    config = loop_config(tiny_kit, root, "resume", ranks=1, engines=1)
+    loop = RLLoop(config)
+    try:  # rollouts 0 and 1 (checkpoint after 1), then rollout 2 is generated and the run stops
+        assert loop.setup()["start_rollout_id"] == 0
+        for rollout_id in (0, 1):
+            uri = loop.rollout(rollout_id)["uri"]
+            loop.train(rollout_id, uri)
+            saved = loop.maybe_save(rollout_id)
+            loop.sync(rollout_id)
+            loop.log_step(rollout_id)
+        assert saved["saved"] and saved["path"].endswith("iter_0000001")
+        loop.rollout(2)
+    finally:
+        loop.close()
+    killed_batch = rollout_rows(config, 2)
+
+    result = run_rl(config)
+    assert result["resumed"] and result["start_rollout_id"] == 2 and len(result["steps"]) == 1
+    # the batch drawn at rollout 2 is the uninterrupted run's (and the stopped run's, set aside)
+    assert rollout_rows(config, 2) == rollout_rows(full_config, 2) == killed_batch
+    stale = ArtifactStore.from_config(config).committed(config.run.run_id, "rl_stale")
+    assert len(stale) == 1 and stale[0].endswith("-rollout-000002")
+    resumed = read_training_state(result["last_checkpoint"]).extra_state["data_source"]
+    assert resumed == read_training_state(latest_checkpoint(full_config.checkpoint.save)).extra_state["data_source"]
+    assert sorted(read_metrics(result["metrics_uri"])) == [0, 1, 2]
+    assert versions(config, 2) == {("2",)}  # the engines got the checkpoint's weights at set-up
+
+
+@pytest.mark.slow
+def test_async_mode_samples_one_weight_version_behind(tiny_kit, root, ray_cluster):
+    config = loop_config(tiny_kit, root, "async", ranks=1, engines=1, sync={"async_mode": True})
+    result = run_rl(config)
+    assert [s["rollout_id"] for s in result["steps"]] == [0, 1, 2]
+    # rollout 1 is generated while rollout 0 trains: weights of version 0; rollout 2 from version 1
+    assert [versions(config, i) for i in range(3)] == [{("0",)}, {("0",)}, {("1",)}]
+    records = read_metrics(result["metrics_uri"])
+    assert records[0]["rl/logprob_abs_diff"] < 1e-4  # on-policy
+    assert records[1]["rl/logprob_abs_diff"] > 1e-3  # one step off-policy (lr 1e-2)
+    assert [records[i]["weight_version"] for i in range(3)] == [1, 2, 3]
