@@ -183,7 +183,6 @@ class TrainActor:
 
     def train(self, rollout_id: int, uri: str) -> dict[str, float]:
         """Train on the rollout shard set at `uri`; global metrics (identical on every rank)."""
-
         from slime.backends.megatron.train import StepSettings, train_step
         from slime.storage import read_samples
 
@@ -280,8 +279,7 @@ class TrainActor:
         per_sample = split_rows(advantages, mine)
         if a.normalize_advantages:
             per_sample = whiten_over_dp(mine, per_sample)
-        sums[4] = float(sum(float(adv[torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.bool)].sum())
-                            for s, adv in zip(mine, per_sample, strict=True)))
+        sums[4] = float(stack_rows(mine, per_sample)[0][mask].sum())
         _all_reduce(sums)
         tokens = max(float(sums[5]), 1.0)
         stats = {"rollout/log_probs": float(sums[3]) / tokens, "rollout/advantages": float(sums[4]) / tokens}
