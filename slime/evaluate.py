@@ -34,6 +34,7 @@ import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,59 @@ def write_result(store: ArtifactStore, uri: str, key: str, out: Any, meta: dict[
 # ----------------------------------------------------------------------------- stage
 
 
+@dataclass
+class EvalPlan:
+    """What `run_evaluate` would do, decided without serving anything: the policy (`source`, None when a
+    watched run has no checkpoint yet, with `reason`), its content hash, the settings, the eval key and
+    the result directory. A Prefect task can use `uri` to say where the result lands."""
+
+    datasets: list[EvalDatasetConfig]
+    source: str | None = None
+    reason: str | None = None
+    policy_hash: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    key: str | None = None
+    uri: str | None = None
+
+
+def _policy_source(config: Config) -> str:
+    """`checkpoint.load` (HF dir, checkpoint, or save root -> newest committed iteration), else `hf_checkpoint`."""
+    from slime.export import resolve_checkpoint
+
+    load, hf = config.checkpoint.load, config.checkpoint.hf_checkpoint
+    if load:
+        return load if is_hf_dir(load) else resolve_checkpoint(load)
+    if hf:
+        if not is_hf_dir(hf):
+            raise ConfigError(f"checkpoint.hf_checkpoint {hf}: not an HF model directory (no config.json)")
+        return hf
+    raise ConfigError("evaluate needs a policy: --load (Megatron checkpoint, save root or HF dir), "
+                      "--hf-checkpoint, or --eval-watch-run RUN")
+
+
+def plan_evaluate(config: Config) -> EvalPlan:
+    """Check the datasets and reward settings, pick the policy, compute the eval key and result URI."""
+    config.require("run.run_id", stage=STAGE)
+    args = config.as_namespace()
+    plan = EvalPlan(datasets=check_datasets(args))
+    check_reward_config(args)
+    watch = config.eval.eval_watch_run
+    if watch:
+        plan.source = newest_run_checkpoint(config, watch)
+        if plan.source is None:
+            stages = ", ".join(config.eval.eval_watch_stages)
+            plan.reason = f"run {watch!r} has no committed checkpoint yet (searched {stages} in {config.run.store})"
+            return plan
+    else:
+        plan.source = _policy_source(config)
+    plan.policy_hash = policy_identity(plan.source)
+    plan.settings = eval_settings(config, plan.datasets)
+    plan.key = stable_hash({"policy": plan.policy_hash, "settings": plan.settings})
+    plan.uri = ArtifactStore.from_config(config).uri(config.run.run_id, STAGE,
+                                                     f"{policy_label(plan.source)}-{plan.key[:10]}")
+    return plan
+
+
 def run_evaluate(config: Config) -> dict[str, Any]:
     """Evaluate one checkpoint on every eval dataset (or reuse the committed result); see the module docstring.
 
@@ -181,45 +235,20 @@ def run_evaluate(config: Config) -> dict[str, Any]:
     `result` / `summary` / `datasets` URIs, `manifest_hash` of the result, the evaluated `checkpoint` and its
     `checkpoint_manifest_hash`, `reused`, `skipped` (watch mode), `seconds` (and `phases` when it ran).
     """
-    from slime.export import resolve_checkpoint
-
     started = time.perf_counter()
-    config.require("run.run_id", stage=STAGE)
-    run_id, watch = config.run.run_id, config.eval.eval_watch_run
-    args = config.as_namespace()
-    datasets = check_datasets(args)
-    check_reward_config(args)
-    if watch:
-        source = newest_run_checkpoint(config, watch)
-        if source is None:
-            stages = ", ".join(config.eval.eval_watch_stages)
-            reason = f"run {watch!r} has no committed checkpoint yet (searched {stages} in {config.run.store})"
-            logger.info("evaluate: skipping: %s", reason)
-            return {"skipped": True, "reason": reason, "seconds": time.perf_counter() - started}
-    elif config.checkpoint.load:
-        source = config.checkpoint.load if is_hf_dir(config.checkpoint.load) else resolve_checkpoint(
-            config.checkpoint.load)
-    elif config.checkpoint.hf_checkpoint:
-        if not is_hf_dir(config.checkpoint.hf_checkpoint):
-            raise ConfigError(f"checkpoint.hf_checkpoint {config.checkpoint.hf_checkpoint}: not an HF model "
-                              "directory (no config.json)")
-        source = config.checkpoint.hf_checkpoint
-    else:
-        raise ConfigError("evaluate needs a policy: --load (Megatron checkpoint, save root or HF dir), "
-                          "--hf-checkpoint, or --eval-watch-run RUN")
-
-    policy_hash = policy_identity(source)
-    settings = eval_settings(config, datasets)
-    key = stable_hash({"policy": policy_hash, "settings": settings})
+    plan = plan_evaluate(config)
+    if plan.uri is None:
+        logger.info("evaluate: skipping: %s", plan.reason)
+        return {"skipped": True, "reason": plan.reason, "seconds": time.perf_counter() - started}
+    source, uri, key, settings, datasets = plan.source, plan.uri, plan.key, plan.settings, plan.datasets
     store = ArtifactStore.from_config(config)
-    uri = store.uri(run_id, STAGE, f"{policy_label(source)}-{key[:10]}")
     if is_committed(uri, store.storage_options):
         manifest = read_manifest(uri, store.storage_options)
         if manifest.config_hash != key:
             raise ConfigError(f"{uri} holds an eval with another key ({manifest.config_hash}); remove it or "
                               "use another run_id")
         result = _result(manifest.metadata, uri, manifest_hash(uri, store.storage_options), started, reused=True)
-        if watch:
+        if config.eval.eval_watch_run:
             reason = f"{source} was evaluated with this config already: {uri}"
             logger.info("evaluate: skipping: %s", reason)
             return {**result, "skipped": True, "reason": reason}
@@ -239,10 +268,11 @@ def run_evaluate(config: Config) -> dict[str, Any]:
             out = generate_rollout(eval_args, 0, None, evaluation=True)
             phases["eval_s"] = time.perf_counter() - mark
     names = [ds.name for ds in datasets]
-    meta = {"checkpoint": source, "checkpoint_manifest_hash": policy_hash, "metrics": split_metrics(out.metrics, names),
-            "eval_seconds": phases["eval_s"], "settings": settings, "eval_key": key}
+    meta = {"checkpoint": source, "checkpoint_manifest_hash": plan.policy_hash,
+            "metrics": split_metrics(out.metrics, names), "eval_seconds": phases["eval_s"], "settings": settings,
+            "eval_key": key}
     mark = time.perf_counter()
-    write_result(store, uri, key, out, meta, run_id)
+    write_result(store, uri, key, out, meta, config.run.run_id)
     phases["commit_s"] = time.perf_counter() - mark
     for name in names:
         logger.info("evaluate %s on %s: %s", source, name, meta["metrics"][name])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import yaml
 from slime.config import load_config
 from slime.convert import run_convert
 from slime.errors import ConfigError, DataFormatError, NotCommittedError
-from slime.evaluate import policy_label, run_evaluate, split_metrics, write_result
+from slime.evaluate import plan_evaluate, policy_label, run_evaluate, split_metrics, write_result
 from slime.rollout import RolloutFnEvalOutput
 from slime.storage import ArtifactStore, read_manifest, read_samples, write_samples
 from slime.storage.fs import open_fs
@@ -205,6 +206,32 @@ def test_evaluate_refuses_bad_input_before_serving(tiny_kit, setup, tmp_path, no
     bad.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": 4\n')
     with pytest.raises(DataFormatError, match=rf"{bad}:2: invalid JSON"):
         run_evaluate(eval_config(tiny_kit, root, eval_yaml, "--eval-prompt-data", "bad", str(bad)))
+
+
+def test_eval_key_covers_what_the_result_depends_on(tiny_kit, setup, tmp_path):
+    """Settings that change the result change the key (a directory of their own); the watch and interval
+    fields, which only choose what and when to evaluate, do not."""
+    root, eval_yaml = setup
+    base = plan_evaluate(eval_config(tiny_kit, root, eval_yaml))
+    assert base.uri.startswith(str(root / "store" / "evals" / "evaluate" / "model-")) and base.uri.endswith(base.key[:10])
+    same = [("--eval-interval", "3"), ("--eval-watch-stages", "sft"), ("--skip-eval-before-train",)]
+    for extra in same:
+        assert plan_evaluate(eval_config(tiny_kit, root, eval_yaml, *extra)).key == base.key, extra
+    other_yaml = tmp_path / "eval.yaml"
+    raw = yaml.safe_load(eval_yaml.read_text())
+    raw["eval"]["datasets"][1]["max_response_len"] = 2
+    other_yaml.write_text(yaml.safe_dump(raw))
+    keys = {plan_evaluate(eval_config(tiny_kit, root, other_yaml)).key}
+    for extra in [("--eval-temperature", "0.5"), ("--rollout-max-response-len", "12"), ("--rm-type", "f1"),
+                  ("--seed", "7"), ("--n-samples-per-eval-prompt", "3")]:
+        keys.add(plan_evaluate(eval_config(tiny_kit, root, eval_yaml, *extra)).key)
+    assert len(keys) == 6 and base.key not in keys
+    # another policy: another key, even with the same settings
+    copy_dir = tmp_path / "model"
+    shutil.copytree(tiny_kit.model_dir, copy_dir)
+    (copy_dir / "config.json").write_text((copy_dir / "config.json").read_text() + "\n")  # same model, edited
+    moved = plan_evaluate(eval_config(tiny_kit, root, eval_yaml, "--hf-checkpoint", str(copy_dir)))
+    assert moved.policy_hash != base.policy_hash and moved.key != base.key
 
 
 def test_labels_and_metric_split():
