@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime.config import SyncConfig
+from slime.engines.client import EngineClient
 from slime.sync import WeightSyncer, WeightSyncError
 from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_tensors
 
@@ -113,3 +114,25 @@ def test_unreachable_engine_is_named_and_others_stay_paused(cluster, http, hf_we
     assert result.buckets > 1
     assert all(http.get(f"{url}/model_info").json()["weight_version"] == "original" for url in urls)
     assert all(state(http, url)["paused"] is False for url in urls)
+
+
+def test_distributed_group_is_reused_and_reformed_when_engines_change(cluster, http, hf_weights):
+    _, urls = cluster
+
+    async def run():
+        syncer = WeightSyncer(SyncConfig(weight_sync_mode="distributed"))
+        async with EngineClient() as client:
+            first = await syncer.sync(urls, lambda: iter(hf_weights.items()), "g1", client=client)
+            second = await syncer.sync(urls, lambda: iter(hf_weights.items()), "g2", client=client)
+            groups_during = [state(http, url)["weight_update_groups"] for url in urls]
+            third = await syncer.sync(urls[:1], lambda: iter(hf_weights.items()), "g3", client=client)
+            groups_after_change = [state(http, url)["weight_update_groups"] for url in urls]
+            await syncer.close(client)
+        return first, second, third, groups_during, groups_after_change
+
+    first, second, third, during, after_change = asyncio.run(run())
+    assert "connect" in first.seconds and "connect" not in second.seconds and "connect" in third.seconds
+    assert during == [["slime_weight_sync"]] * 2
+    assert after_change == [["slime_weight_sync"], []], "the engine left out must have left the old group"
+    assert [http.get(f"{url}/model_info").json()["weight_version"] for url in urls] == ["g3", "g2"]
+    assert [state(http, url)["weight_update_groups"] for url in urls] == [[], []]
