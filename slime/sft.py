@@ -13,7 +13,7 @@ as in slime). Optimizer and LR schedule come from the `train:` section (`build_o
 the schedule's length defaults to the stage's total steps). Weights start from `--load` (a converted
 checkpoint, model only) when given, else from the HF checkpoint.
 
-Checkpoints: every `save_interval` optimizer steps and at the end, the full training state (model,
+Checkpoints: every `sft_save_interval` optimizer steps and at the end, the full training state (model,
 optimizer, scheduler, RNG, loss curve) is committed as iteration N = steps done under `--save`
 (`--no-save-optim`: the model only). When `--save` already holds committed SFT checkpoints, the stage
 resumes from the newest at the exact next step (same data order: the epoch orders are replayed from
@@ -113,7 +113,8 @@ def run_sft(config: Config) -> dict[str, Any]:
             losses.append(metrics["sft_loss"])
             logger.info("sft epoch %d step %d/%d loss %.4f grad_norm %.3f lr %.3g", epoch, step, total_steps,
                         metrics["sft_loss"], metrics["grad_norm"], metrics["lr"])
-            if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0 and step < total_steps:
+            interval = config.sft.sft_save_interval
+            if interval and step % interval == 0 and step < total_steps:
                 save_at(step)
     if not is_committed(path):
         save_at(total_steps)

@@ -59,7 +59,7 @@ def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
     # 32 conversations, 16 per step, 2 epochs: 4 steps; warmup + cosine over them; a save after step 3
     flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
              "--global-batch-size", "16", "--micro-batch-size", "16", "--lr", "3e-3", "--sft-num-epoch", "2",
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--save-interval", "3"]
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--sft-save-interval", "3"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     uninterrupted = run_sft(*flags, "--save", str(whole))
     assert uninterrupted["steps"] == 4 and uninterrupted["resumed_from"] is None
@@ -84,7 +84,7 @@ def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
 
 def test_sft_refuses_to_resume_with_another_data_plan(tiny_kit, tmp_path):
     flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--micro-batch-size", "8", "--lr", "3e-3",
-             "--save", str(tmp_path / "s"), "--save-interval", "1"]
+             "--save", str(tmp_path / "s"), "--sft-save-interval", "1"]
     run_sft(*flags, "--sft-data", f"{tiny_kit.sft}@[0:8]", "--global-batch-size", "8")
     result = subprocess.run([SLIME, "sft", *flags, "--sft-data", f"{tiny_kit.sft}@[0:16]", "--global-batch-size", "8"],
                             capture_output=True, text=True, timeout=600)
@@ -94,7 +94,7 @@ def test_sft_refuses_to_resume_with_another_data_plan(tiny_kit, tmp_path):
 
 def test_sft_with_no_save_optim_cannot_resume_mid_way(tiny_kit, tmp_path):
     flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:16]",
-             "--global-batch-size", "8", "--micro-batch-size", "8", "--lr", "3e-3", "--save-interval", "1",
+             "--global-batch-size", "8", "--micro-batch-size", "8", "--lr", "3e-3", "--sft-save-interval", "1",
              "--no-save-optim"]
     done = run_sft(*flags, "--save", str(tmp_path / "whole"))
     manifest = json.loads((tmp_path / "whole" / "iter_0000001" / "manifest.json").read_text())

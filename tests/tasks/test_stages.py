@@ -74,7 +74,7 @@ def test_prepare_output_keeps_a_resumable_attempts_intact_checkpoints(tmp_path):
 
 def test_sft_rerun_of_a_failed_attempt_resumes_from_its_checkpoint(kit_config, converted, tmp_path):
     save = tmp_path / "r" / "sft" / "checkpoint"
-    config = with_fields(kit_config, sft__sft_num_epoch=2, checkpoint__save_interval=1)
+    config = with_fields(kit_config, sft__sft_num_epoch=2, sft__sft_save_interval=1)
     inputs = {"load": converted["artifacts"]["checkpoint"]["uri"], "sft_data": kit_config.sft.sft_data,
               "hf_checkpoint": kit_config.checkpoint.hf_checkpoint}
     first = sft.fn(config, "r", inputs, str(save))
