@@ -11,14 +11,15 @@ from slime.rollout.filters import (
     check_reward_nonzero_std,
     check_reward_nonzero_std_with_fallback,
 )
-from slime.rollout.hooks import check_rollout_plugins
+from slime.rollout.hooks import check_rollout_plugins, load_rollout_function
 from slime.rollout.http import rollout_args
 from slime.rollout.outputs import RolloutFnEvalOutput, RolloutFnTrainOutput
-from slime.rollout.rollout import generate_rollout, generate_rollout_async
+from slime.rollout.rollout import FilterStarvedError, generate_rollout, generate_rollout_async
 from slime.rollout.state import RolloutEngineError
 
 __all__ = [
     "DynamicFilterOutput",
+    "FilterStarvedError",
     "RolloutEngineError",
     "RolloutFnEvalOutput",
     "RolloutFnTrainOutput",
@@ -28,5 +29,6 @@ __all__ = [
     "eval_rollout",
     "generate_rollout",
     "generate_rollout_async",
+    "load_rollout_function",
     "rollout_args",
 ]

@@ -49,6 +49,15 @@ def _load(args: Any, field: str, params: list[str], *, is_async: bool) -> Callab
     return fn
 
 
+def load_rollout_function(args: Any) -> Callable[..., Any]:
+    """The step function named by `rollout_function_path` (default `slime.rollout.generate_rollout`),
+    checked: `fn(args, rollout_id, data_source, evaluation=False)`. The RL loop calls what this returns."""
+    fn = _load(args, "rollout_function_path", ROLLOUT_FUNCTION_PARAMS, is_async=False)
+    if fn is None:
+        raise ConfigError("rollout_function_path (--rollout-function-path) is empty")
+    return fn
+
+
 def load_generate_function(path: str) -> Callable[..., Any]:
     """A custom generate function (`async def generate(args, sample, sampling_params)`), checked."""
     fn = load_function(path)

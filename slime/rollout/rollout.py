@@ -51,6 +51,15 @@ from slime.types import Sample, Status
 
 logger = logging.getLogger(__name__)
 
+# A step gives up when the dynamic filter drops this many times max(rollout_batch_size,
+# over_sampling_batch_size) groups in a row: with a 90% drop rate, 20 x 32 drops in a row has
+# probability 0.9**640 ~ 1e-29, so only a filter that never keeps anything gets here.
+FILTER_STARVATION_FACTOR = 20
+
+
+class FilterStarvedError(ConfigError):
+    """The dynamic filter drops every group: the step could never fill its batch."""
+
 
 def _sort_key(group: list[Any]) -> int:
     samples = flatten(group)
@@ -114,6 +123,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     params = sampling_params_from_args(args)
     partial = bool(getattr(args, "partial_rollout", False))
     max_failed_in_a_row = max(target, over)
+    max_filtered_in_a_row = FILTER_STARVATION_FACTOR * max(target, over)
 
     counts: Counter = Counter()
     reasons: Counter = Counter()
@@ -122,7 +132,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     leftovers: list[list[Any]] = []
     all_groups: list[list[Any]] = []
     pending: set[asyncio.Task] = set()
-    failed_in_a_row = 0
+    failed_in_a_row = filtered_in_a_row = 0
     first_error = ""
     started = time.perf_counter()
     try:
@@ -158,7 +168,20 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
                     counts["filtered"] += 1
                     reasons[decision.reason or "unspecified"] += 1
                     dropped.append(group)
+                    filtered_in_a_row += 1
+                    if filtered_in_a_row >= max_filtered_in_a_row:
+                        raise FilterStarvedError(
+                            f"dynamic filter {args.dynamic_sampling_filter_path!r} dropped {filtered_in_a_row} "
+                            f"groups in a row (kept {len(kept)}/{target}; reasons {dict(reasons)}): it would "
+                            "draw prompts forever. If every group gets the same reward (e.g. an untrained model "
+                            "never answers correctly), use check_reward_nonzero_std_with_fallback or no filter")
                     continue
+                filtered_in_a_row = 0
+                if not kept:
+                    sample = flatten(group)[0]
+                    logger.info("rollout %s: first kept sample: %r -> %r (label %r, reward %r)", rollout_id,
+                                str(sample.prompt)[:200], sample.response[:200], str(sample.label)[:100],
+                                sample.reward)
                 kept.append(group)
     except BaseException:
         if pending:

@@ -96,3 +96,16 @@ async def generate_fan_out(args, sample: Sample, sampling_params):
     twin = copy.deepcopy(sample)
     twin.metadata["fragment"] = 1
     return [sample, twin]
+
+
+def my_rollout(args, rollout_id, data_source, evaluation=False):
+    """A rollout_function_path plugin wrapping the default one."""
+    from slime.rollout import generate_rollout
+
+    out = generate_rollout(args, rollout_id, data_source, evaluation)
+    out.metrics["custom"] = True
+    return out
+
+
+def rollout_missing_data_source(args, rollout_id):
+    return None

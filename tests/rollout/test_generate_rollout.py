@@ -18,7 +18,13 @@ from slime.data.source import RolloutDataSource
 from slime.engines.process import find_free_port
 from slime.errors import AlreadyCommittedError
 from slime.plugins import PluginError
-from slime.rollout import RolloutEngineError, check_reward_nonzero_std, generate_rollout
+from slime.rollout import (
+    FilterStarvedError,
+    RolloutEngineError,
+    check_reward_nonzero_std,
+    generate_rollout,
+    load_rollout_function,
+)
 from slime.storage import read_samples
 from slime.types import Status
 
@@ -210,3 +216,24 @@ def test_fan_out_generate_keeps_fragments_together(make_args, tiny_kit, tmp_path
     assert out.metrics["rollout/samples"] == 8
     assert len(read_samples(out.metrics["rollout/uri"])) == 8
     assert all(t[1].metadata["fragment"] == 1 and t[1].tokens == t[0].tokens for g in out.samples for t in g)
+
+
+def test_filter_that_never_keeps_raises_instead_of_looping(make_args, tiny_kit):
+    args = make_args(rollout_batch_size=1, over_sampling_batch_size=1, rollout_max_response_len=2,
+                     custom_rm_path="rollout_plugins.rm_one",
+                     dynamic_sampling_filter_path="slime.rollout.check_reward_nonzero_std")
+    data_source = source(tiny_kit, args)
+    with pytest.raises(FilterStarvedError, match=r"dropped 20 groups in a row \(kept 0/1; reasons "
+                                                 r"\{'zero_std_1.0': 20\}\)"):
+        generate_rollout(args, 0, data_source)
+    assert data_source.sample_group_index == 20  # exactly the groups it judged
+
+
+def test_rollout_function_path_is_loaded_and_checked(make_args, tiny_kit):
+    args = make_args(rollout_batch_size=1, rollout_function_path="rollout_plugins.my_rollout",
+                     custom_rm_path="rollout_plugins.rm_one")
+    out = load_rollout_function(args)(args, 0, source(tiny_kit, args))
+    assert out.metrics["custom"] is True and len(out.samples) == 1
+    args.rollout_function_path = "rollout_plugins.rollout_missing_data_source"
+    with pytest.raises(PluginError, match="rollout_function_path"):
+        load_rollout_function(args)
