@@ -27,30 +27,8 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.launcher import start_builtin_engine
-
-# Shapes of Qwen2.5 models, for random-weight benchmarks (no download needed).
-QWEN2_SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-}
-
-
-def make_random_qwen2(size: str, out_dir: Path, dtype: str) -> Path:
-    """A random Qwen2 checkpoint of real shape, with the tiny kit's tokenizer (ids it does not
-    know decode to nothing, which is fine for throughput)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from slime.data.tiny import build_tokenizer
-
-    torch.manual_seed(0)
-    config = Qwen2Config(max_position_embeddings=4096, **QWEN2_SHAPES[size])
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
-    return out_dir
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -123,7 +101,7 @@ def main() -> None:
 
     scratch = tempfile.TemporaryDirectory()
     if args.random_qwen2:
-        args.model = str(make_random_qwen2(args.random_qwen2, Path(scratch.name) / "model", args.dtype))
+        args.model = str(save_random_qwen2(Path(scratch.name) / "model", args.random_qwen2, getattr(torch, args.dtype)))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(args.requests, args.prompt_len, len(tokenizer))
     tokens = args.requests * args.new_tokens

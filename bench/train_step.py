@@ -25,17 +25,12 @@ import time
 
 import torch
 
-SIZES = {  # Qwen2.5 shapes
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
-}
+from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SIZES), default="0.5b")
+    parser.add_argument("--model", choices=sorted(QWEN2_SHAPES), default="0.5b")
     parser.add_argument("--seq", type=int, nargs="+", default=[1024])
     parser.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -46,16 +41,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
 
-    from transformers import Qwen2Config
-
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.optimizer import build_optimizer
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
-    shape = SIZES[args.model]
-    config = Qwen2Config(**shape, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-                         torch_dtype="bfloat16")
+    shape = QWEN2_SHAPES[args.model]
+    config = qwen2_config(args.model, max_position_embeddings=32768)
     init_megatron(seed=0)
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model

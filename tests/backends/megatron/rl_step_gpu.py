@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
 from slime.backends.megatron.critic import build_critic, compute_values
@@ -19,17 +19,8 @@ from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
 from slime.backends.megatron.train import StepSettings, train_step
-from slime.data.tiny import build_tokenizer
+from slime.data.random_models import save_random_qwen2
 from slime.types import Sample
-
-
-def make_model(path: Path) -> None:
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
 
 
 def make_samples(vocab: int, n: int = 16) -> list[Sample]:
@@ -52,7 +43,7 @@ def jitter(v: torch.Tensor, amount: float, seed: int) -> torch.Tensor:
 def main() -> None:
     work = Path(sys.argv[1])
     hf_dir = work / "hf"
-    make_model(hf_dir)
+    save_random_qwen2(hf_dir, "0.5b")
     init_megatron(seed=0)
     bridge = make_bridge(str(hf_dir), torch.bfloat16)
     vocab = bridge.hf_config.vocab_size

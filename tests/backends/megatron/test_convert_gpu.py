@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from slime.data.tiny import build_tokenizer
+from slime.data.random_models import save_random_qwen2
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
@@ -18,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_bf16_conversion_parity_and_export_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
-    src = tmp_path / "src"
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
-    build_tokenizer().save_pretrained(src)
+    src = save_random_qwen2(tmp_path / "src", "0.5b")
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("roundtrip.py")), "--bf16", str(src),
                              str(tmp_path / "work")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from slime.data.random_models import save_random_qwen2
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
@@ -17,11 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_train_steps_and_export_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    save_random_qwen2(tmp_path / "hf", "0.5b")
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("train_gpu.py")), str(tmp_path / "hf")],
                             capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,0 +1,44 @@
+"""Random-weight Hugging Face checkpoints of real model shapes, for benchmarks and GPU tests.
+
+Throughput, memory and numerical-parity figures depend on a model's shape, not on its weights, so
+benchmarks and GPU tests build Qwen2.5-shaped models with random weights instead of downloading
+them. The tokenizer is the tiny kit's (token ids it does not know decode to nothing, which does not
+matter for these uses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN2_SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 0.5B and 1.5B
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def qwen2_config(size: str, max_position_embeddings: int = 4096) -> Any:
+    """The `Qwen2Config` of a Qwen2.5 model size ("0.5b", "1.5b")."""
+    from transformers import Qwen2Config
+
+    if size not in QWEN2_SHAPES:
+        raise ValueError(f"unknown Qwen2 size {size!r}; known: {', '.join(QWEN2_SHAPES)}")
+    return Qwen2Config(max_position_embeddings=max_position_embeddings, **QWEN2_SHAPES[size])
+
+
+def save_random_qwen2(out_dir: str | Path, size: str = "0.5b", dtype: torch.dtype = torch.bfloat16,
+                      seed: int = 0, max_position_embeddings: int = 4096) -> Path:
+    """Write a seeded random-weight Qwen2 of `size` with the tiny kit's tokenizer to `out_dir`."""
+    from transformers import Qwen2ForCausalLM
+
+    from slime.data.tiny import build_tokenizer
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(qwen2_config(size, max_position_embeddings)).to(dtype)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return Path(out_dir)
