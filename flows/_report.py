@@ -42,6 +42,10 @@ def stage_markdown(summary: dict[str, Any], config: Config, config_fields: tuple
     if summary.get("metrics"):
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_value(v)} |" for k, v in summary["metrics"].items()]
+    for figure in summary.get("figures", []):
+        lines += ["", f"## {figure['title']}", "", figure.get("caption", ""), "",
+                  f"![{figure['title']}]({figure['embed']})" if figure.get("embed") else "",
+                  f"[{figure['uri']}]({_file_link(figure['uri'])})"]
     lines += ["", "## Time per phase", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in seconds.items()]
     lines += ["", "## Inputs", "", "| role | URI |", "|---|---|"]
@@ -68,6 +72,20 @@ def publish_stage_report(summary: dict[str, Any], config: Config, config_fields:
                                  description=f"HF model exported by run {run_id} (loads with transformers/SGLang)")
 
 
+def publish_eval_table(run_id: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per evaluated checkpoint and dataset: the eval metrics (mean reward, pass@k, ...)."""
+    rows = []
+    for result in results:
+        for dataset, figures in result["metrics"]["datasets"].items():
+            rows.append({"checkpoint": result["metrics"]["checkpoint"], "dataset": dataset,
+                         **{k: round(v, 6) if isinstance(v, float) else v for k, v in sorted(figures.items())},
+                         "status": result["status"]})
+    if rows:
+        create_table_artifact(rows, key=artifact_key(run_id, "evaluate", "results"),
+                              description=f"eval results of run {run_id}, per checkpoint and dataset")
+    return rows
+
+
 def publish_pipeline_table(run_id: str, rows: list[dict[str, Any]]) -> None:
-    """One row per pipeline stage: ran, cached, or not built yet."""
+    """One row per pipeline stage: ran, cached, skipped or not completed."""
     create_table_artifact(rows, key=artifact_key(run_id, "stages"), description=f"stages of run {run_id}")

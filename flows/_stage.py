@@ -4,6 +4,7 @@ the store's result storage, and say whether it ran or was reused."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from prefect import Task
@@ -66,16 +67,20 @@ def newest_model(config: Config, run_id: str, stages: tuple[str, ...]) -> str:
                             f"{' or '.join(stages)}; run that stage first or pass --model CHECKPOINT")
 
 
-def run_stage(stage_task: Task, config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
+def run_stage(stage_task: Task, config: Config, run_id: str, inputs: dict[str, str], output: str,
+              decorate: Callable[[dict[str, Any], Config], None] | None = None) -> dict[str, Any]:
     """Run (or reuse) one stage task; returns its result plus `status` ("ran" or "cached") and `run_id`.
 
     Failures propagate (the flow fails, and a re-run resumes here). The stage report is published
-    for reused results too, since Prefect does not re-create artifacts of cached task runs.
+    for reused results too, since Prefect does not re-create artifacts of cached task runs;
+    `decorate(summary, config)` may add `figures` to it first (drawn from the stored artifacts).
     """
     storage = result_storage(config.run.store, config.run.storage_options)
     state = stage_task.with_options(result_storage=storage)(config, run_id, inputs, output, return_state=True)
     result = state.result()
     summary = {**result, "status": "cached" if state.name == "Cached" else "ran", "run_id": run_id,
                "inputs": inputs}
+    if decorate is not None:
+        decorate(summary, config)
     publish_stage_report(summary, config, stage_task.cache_policy.config_fields)
     return summary

@@ -16,8 +16,8 @@ from flows._cli import DEFAULT_CONFIG, main
 from flows._stage import newest_model, output_uri, resolve_run, run_name, run_stage
 from tasks.export import OUTPUT_NAME, export
 
-# stages whose checkpoints export takes when run alone, latest first (rl goes in front when it lands)
-MODEL_STAGES = ("sft", "convert")
+# stages whose checkpoints export takes when run alone, latest first
+MODEL_STAGES = ("rl", "sft", "convert")
 
 
 @flow(name="export", flow_run_name=run_name("export"))

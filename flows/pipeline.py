@@ -5,8 +5,10 @@
 Each stage reads its input from the previous stage's committed artifact and writes to
 `{store}/{run_id}/{stage}/`. A stage whose inputs and config are unchanged is reused (Prefect state
 Cached, nothing recomputed); a re-run of a failed pipeline (same parameters, or `prefect flow-run
-retry`) therefore continues at the failed stage. Stages that are not built yet are listed as such
-in the stage table, never run or faked. Adding a stage: a task module, a flow, one line below.
+retry`) therefore continues at the failed stage. What each stage consumes: rejection_sampling samples the SFT checkpoint (its accepted set is reported,
+not trained on), rl starts from the SFT checkpoint, evaluate evaluates the RL checkpoint and the SFT one
+(accuracy per stage), export exports the RL checkpoint. `skip` leaves optional stages out (listed as
+"skipped"; rl skipped: evaluate and export take the SFT checkpoint).
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from flows._cli import DEFAULT_CONFIG, main
 from flows._report import publish_pipeline_table
 from flows._stage import resolve_run, run_name
 from flows.convert import convert_flow
+from flows.evaluate import evaluate_flow
 from flows.export import export_flow
+from flows.rejection_sampling import rejection_sampling_flow
+from flows.rl import rl_flow
 from flows.sft import sft_flow
+from slime.errors import ConfigError
 
-# DESIGN.md's stage order; the ones without a flow yet are reported as "not built yet"
+# DESIGN.md's stage order; OPTIONAL ones can be left out with `skip`
 STAGE_ORDER = ("convert", "sft", "rejection_sampling", "rl", "evaluate", "export")
-NOT_BUILT = ("rejection_sampling", "rl", "evaluate")
+OPTIONAL = ("rejection_sampling", "rl", "evaluate")
 
 
 def checkpoint_of(result: dict[str, Any]) -> str:
@@ -34,26 +40,37 @@ def checkpoint_of(result: dict[str, Any]) -> str:
 
 @flow(name="post-training", flow_run_name=run_name("post-training"))
 def pipeline(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, store: str | None = None,
-             run_id: str | None = None) -> dict[str, dict[str, Any]]:
-    """convert -> sft -> (rejection_sampling -> rl -> evaluate: not built yet) -> export."""
+             run_id: str | None = None, skip: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """convert -> sft -> rejection_sampling -> rl -> evaluate -> export (`skip`: optional stages left out)."""
     _, run_id = resolve_run(config, overrides, store, run_id)
+    skip = list(skip or [])
+    if unknown := set(skip) - set(OPTIONAL):
+        raise ConfigError(f"pipeline skip={sorted(unknown)}: only {', '.join(OPTIONAL)} can be skipped")
     common = {"config": config, "overrides": overrides, "store": store, "run_id": run_id}
     results: dict[str, dict[str, Any]] = {}
     try:
         results["convert"] = convert_flow(**common)
         results["sft"] = sft_flow(**common, model=checkpoint_of(results["convert"]))
-        # rejection_sampling, rl and evaluate land here, each taking `model` and returning a checkpoint
-        results["export"] = export_flow(**common, model=checkpoint_of(results["sft"]))
+        sft_checkpoint = final = checkpoint_of(results["sft"])
+        if "rejection_sampling" not in skip:
+            results["rejection_sampling"] = rejection_sampling_flow(**common, model=sft_checkpoint)
+        if "rl" not in skip:
+            results["rl"] = rl_flow(**common, model=sft_checkpoint)
+            final = checkpoint_of(results["rl"])
+        if "evaluate" not in skip:
+            results["evaluate"] = evaluate_flow(**common, model=final,
+                                                compare=[sft_checkpoint] if final != sft_checkpoint else None)
+        results["export"] = export_flow(**common, model=final)
     finally:
-        publish_pipeline_table(run_id, stage_rows(results))
+        publish_pipeline_table(run_id, stage_rows(results, skip))
         logger = get_run_logger()
-        for row in stage_rows(results):
+        for row in stage_rows(results, skip):
             logger.info("%-18s %s %s", row["stage"], row["status"], row["artifact"])
     return results
 
 
-def stage_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per stage of DESIGN.md's pipeline: ran, cached, not built yet, or not completed."""
+def stage_rows(results: dict[str, dict[str, Any]], skip: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per stage of DESIGN.md's pipeline: ran, cached, skipped, or not completed."""
     rows = []
     for stage in STAGE_ORDER:
         result = results.get(stage)
@@ -62,16 +79,33 @@ def stage_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             artifact = ", ".join(a["uri"] for a in result["artifacts"].values())
             seconds = round(sum(result.get("seconds", {}).values()), 2)
         else:
-            status = "not built yet" if stage in NOT_BUILT else "not completed"
+            status = "skipped" if stage in (skip or ()) else "not completed"
             artifact, seconds = "", None
         rows.append({"stage": stage, "status": status, "artifact": artifact, "seconds": seconds})
     return rows
 
 
 def describe(results: dict[str, dict[str, Any]]) -> str:
-    """The stage table as text: what ran, what was reused, where the artifacts are."""
-    lines = [f"{'stage':<19}{'status':<15}artifact"]
-    lines += [f"{r['stage']:<19}{r['status']:<15}{r['artifact']}" for r in stage_rows(results)]
+    """The summary as text: per stage status, time and artifacts; eval accuracy per stage; the export."""
+    lines = [f"{'stage':<19}{'status':<15}{'seconds':>8}  artifact"]
+    for r in stage_rows(results):
+        seconds = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        lines.append(f"{r['stage']:<19}{r['status']:<15}{seconds:>8}  {r['artifact']}")
+    if "evaluate" in results:
+        lines += ["", "eval accuracy (mean reward, pass@k) per checkpoint:"]
+        for result in [*results["evaluate"].get("compared", []), results["evaluate"]]:
+            metrics = result.get("metrics", {})
+            for dataset, figures in metrics.get("datasets", {}).items():
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items())
+                                  if k == "mean_reward" or k.startswith("pass@"))
+                lines.append(f"  {metrics['checkpoint']}  {dataset}: {shown}")
+    if "rl" in results:
+        m = results["rl"]["metrics"]
+        lines.append(f"\nrl: iterations {m['start_rollout_id']}..{m['num_rollout'] - 1}, last reward mean "
+                     f"{m['reward_mean_last']}, Prefect overhead {m['prefect_s_per_iteration']} s/iteration, "
+                     f"metrics {m['metrics_uri']}")
+    if "export" in results:
+        lines.append(f"exported HF model: {results['export']['artifacts']['hf_model']['uri']}")
     return "\n".join(lines)
 
 

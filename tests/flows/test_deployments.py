@@ -35,4 +35,11 @@ def test_pipeline_deployment_is_post_training_tiny_cpu():
     from flows.pipeline import pipeline
 
     assert names["tiny-cpu"]["entrypoint"] == "flows/pipeline.py:pipeline" and pipeline.name == "post-training"
-    assert "evaluate" not in names  # added with the evaluate flow, not before
+
+
+def test_scheduled_eval_watches_a_run_on_cron_and_gpu_deployment_uses_sglang():
+    names = {d["name"]: d for d in PROJECT["deployments"]}
+    watch = names["evaluate-newest"]
+    assert watch["parameters"]["eval_watch_run"] and watch["schedules"][0]["cron"].count(" ") == 4
+    gpu = load_config(ROOT / names["qwen2.5-0.5b-gpu"]["parameters"]["config"])
+    assert gpu.engine.engine == "sglang" and gpu.cluster.colocate

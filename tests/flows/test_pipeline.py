@@ -1,6 +1,7 @@
 """The post-training pipeline on the tiny kit, through a real Prefect API: artifacts land in the
 store layout, a failed stage is where a re-run resumes, completed stages come back Cached without
-calling their stage function, and a corrupt artifact makes its stage (and what follows) run again."""
+calling their stage function, and a corrupt artifact makes its stage (and what follows) run again.
+The first test leaves the optional stages out (`skip`) to stay fast; the slow one runs all six."""
 
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import tasks.export
 import tasks.sft
 from flows._report import artifact_key
 from flows.export import export_flow
-from flows.pipeline import pipeline
+from flows.pipeline import OPTIONAL, pipeline
 from slime.errors import ConfigError
 from slime.storage import ArtifactStore, read_manifest
 from slime.storage.manifest import verify_files
@@ -44,7 +45,7 @@ def statuses(results):
 
 def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_api, tiny_kit, tmp_path, calls):
     store, origin = tmp_path / "store", tmp_path / "origin"
-    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "t1",
+    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "t1", "skip": list(OPTIONAL),
               "overrides": ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
                             "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]}
     layout = ArtifactStore(str(store))
@@ -89,3 +90,38 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     assert calls == {"convert": 1, "sft": 2, "export": 3}
     assert verify_files(str(sft_dir), read_manifest(str(sft_dir))) == []
     assert len(list(sft_dir.parent.glob("iter_0000001.replaced-*"))) == 1  # the corrupt one, kept aside
+
+
+@pytest.mark.slow
+def test_full_pipeline_resumes_rl_after_a_failure_and_keeps_earlier_stages(prefect_api, tiny_kit, tmp_path, calls,
+                                                                        monkeypatch):
+    from slime.rl import RLLoop
+
+    store = tmp_path / "store"
+    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "full", "overrides": [
+        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1",
+        "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--num-rollout", "2", "--rollout-batch-size", "2",
+        "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
+        "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]}
+    real_train = RLLoop.train
+
+    def failing_train(self, rollout_id, uri):
+        if rollout_id == 1:
+            raise RuntimeError("injected failure in train-0001")
+        return real_train(self, rollout_id, uri)
+
+    monkeypatch.setattr(RLLoop, "train", failing_train)
+    with pytest.raises(RuntimeError, match="injected"):
+        pipeline(**params)
+    monkeypatch.setattr(RLLoop, "train", real_train)
+    results = pipeline(**params)
+    assert statuses(results) == {"convert": "cached", "sft": "cached", "rejection_sampling": "cached",
+                                 "rl": "ran", "evaluate": "ran", "export": "ran"}
+    assert calls == {"convert": 1, "sft": 1, "export": 1}
+    assert results["rl"]["metrics"]["start_rollout_id"] == 1 and results["rl"]["metrics"]["resumed"]
+    rl_checkpoint = results["rl"]["artifacts"]["checkpoint"]["uri"]
+    assert results["export"]["metrics"]["source_checkpoint"] == rl_checkpoint
+    evaluated = {r["metrics"]["checkpoint"] for r in [results["evaluate"], *results["evaluate"]["compared"]]}
+    assert evaluated == {rl_checkpoint, results["sft"]["artifacts"]["checkpoint"]["uri"]}
+    rows = Artifact.get(artifact_key("full", "evaluate", "results")).data
+    assert "arithmetic" in rows and "mean_reward" in rows

@@ -1,0 +1,44 @@
+"""Task `evaluate`: one checkpoint on every eval dataset; result committed under
+`{store}/{run_id}/evaluate/{label}-{key10}` (slime.evaluate names it, see `plan_evaluate`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.runtime import task_run
+
+from slime.config import Config
+from slime.evaluate import run_evaluate
+from tasks._cache import StageCachePolicy
+from tasks._stage import Phases, prepare_output, stage_result, with_fields
+
+# what an eval result depends on besides the checkpoint and the eval datasets (inputs); the same
+# sections as slime.evaluate.eval_settings, whose key also names the output directory
+CONFIG_FIELDS = ("eval", "rollout", "reward", "data", "engine", "sglang", "run.seed")
+# task tag: `prefect concurrency-limit create slime-gpu 1` keeps evals and RL steps off the GPUs at once
+GPU_TAG = "slime-gpu"
+
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.evaluate",))
+
+
+def eval_run_name() -> str:
+    """`evaluate-<run id>-<result directory>` (the directory names the checkpoint, e.g. rl-iter_0000003-...)."""
+    params = task_run.parameters
+    return f"evaluate-{params['run_id']}-{params['output'].rstrip('/').rsplit('/', 1)[-1]}"
+
+
+@task(name="evaluate", task_run_name=eval_run_name, cache_policy=CACHE, persist_result=True,
+      result_serializer="json", tags=[GPU_TAG])
+def evaluate(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
+    """Evaluate `inputs["load"]` (eval datasets: the other inputs); `output` is where plan_evaluate puts it."""
+    phases = Phases()
+    with phases.time("prepare output"):
+        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options)
+    with phases.time("evaluate"):
+        result = run_evaluate(with_fields(config, checkpoint__load=inputs["load"], eval__eval_watch_run=None))
+    if result["result"] != output:
+        raise RuntimeError(f"evaluate wrote {result['result']}, planned {output}: the plan and the run disagree")
+    metrics = {"checkpoint": result["checkpoint"], "reused": result["reused"], "datasets": result["metrics"],
+               "evaluate_phases_s": {k: round(v, 3) for k, v in result.get("phases", {}).items()}}
+    return stage_result("evaluate", {"eval_result": (result["result"], result["manifest_hash"])}, metrics, phases)

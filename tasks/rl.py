@@ -1,0 +1,161 @@
+"""Task `rl`: the RL loop from a checkpoint into `{store}/{run_id}/rl/checkpoint`, one Prefect task per step.
+
+The stage task is cached like every stage (config + input manifests + output + code). Its body builds
+ONE `RLLoop` (Ray cluster, rollout manager, train group: long-lived actors) and drives it through small
+per-step tasks - `rollout-0003`, `train-0003`, `save-0003`, `sync-0003`, `eval-0003` - that take the
+loop object, are never cached or persisted (they return small dicts) and never create actors. A re-run
+after a failure continues from the newest committed RL checkpoint of the same attempt (`RLLoop.setup`).
+The loop's progress and per-iteration metrics are published as Prefect artifacts while it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows._report import artifact_key
+from slime.backends.megatron.checkpoint import latest_checkpoint
+from slime.config import Config
+from slime.errors import NotCommittedError
+from slime.rl import RLLoop, read_metrics
+from slime.storage import manifest_hash
+from tasks._cache import StageCachePolicy
+from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks.evaluate import GPU_TAG
+
+OUTPUT_NAME = "checkpoint"
+# what the trained policy depends on besides the start checkpoint, prompts and tokenizer (inputs);
+# save_interval/eval_interval/use_tensorboard only add checkpoints, evals and logs
+CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "engine", "sglang", "megatron",
+                 "data", "eval", "checkpoint.no_save_optim", "run.seed")
+# headline keys of a step record -> column of the metrics table
+TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
+                 "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",
+                 "rl/train_s": "train_s", "rl/sync_s": "sync_s"}
+
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rl.loop",))
+STEP = {"cache_policy": NO_CACHE, "persist_result": False, "tags": [GPU_TAG]}
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The loop step's result plus `step_s`, its own time (the rest of a task call is Prefect's)."""
+    t0 = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return {**result, "step_s": time.perf_counter() - t0}
+
+
+@task(name="rollout", task_run_name="rollout-{rollout_id:04d}", **STEP)
+def rollout_step(loop: RLLoop, rollout_id: int) -> dict[str, Any]:
+    """Generate rollout `rollout_id` into the store (its shard set URI and headline numbers)."""
+    return _timed(loop.rollout, rollout_id)
+
+
+@task(name="train", task_run_name="train-{rollout_id:04d}", **STEP)
+def train_step(loop: RLLoop, rollout_id: int, uri: str) -> dict[str, Any]:
+    return _timed(loop.train, rollout_id, uri)
+
+
+@task(name="save", task_run_name="save-{rollout_id:04d}", **STEP)
+def save_step(loop: RLLoop, rollout_id: int) -> dict[str, Any]:
+    return _timed(loop.maybe_save, rollout_id)
+
+
+@task(name="sync", task_run_name="sync-{rollout_id:04d}", **STEP)
+def sync_step(loop: RLLoop, rollout_id: int) -> dict[str, Any]:
+    return _timed(loop.sync, rollout_id)
+
+
+@task(name="eval", task_run_name="eval-{rollout_id:04d}", **STEP)
+def eval_step(loop: RLLoop, rollout_id: int, before_train: bool = False) -> dict[str, Any]:
+    return _timed(loop.maybe_eval, rollout_id, before_train=before_train)
+
+
+def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[str, Any]:
+    """One row of the per-iteration metrics table (rounded; missing values empty)."""
+    row: dict[str, Any] = {"iteration": record["rollout_id"], "weight_version": record.get("weight_version")}
+    for key, column in TABLE_COLUMNS.items():
+        value = record.get(key)
+        row[column] = round(value, 6) if isinstance(value, float) else value
+    evals = {k.split("/")[1]: v for k, v in record.items() if k.startswith("eval/") and k.endswith("/mean_reward")}
+    row["eval_mean_reward"] = ", ".join(f"{n} {v:.4f}" for n, v in sorted(evals.items())) or None
+    if prefect_s is not None:
+        row["prefect_s"] = round(prefect_s, 3)
+    return row
+
+
+def drive(loop: RLLoop, run_id: str, phases: Phases) -> list[dict[str, Any]]:
+    """Every remaining iteration as step tasks, with a progress artifact and the metrics table updated
+    after each; the rows. `prefect_s` of a row: the iteration's wall time minus the loop's own steps."""
+    progress = create_progress_artifact(0.0, key=artifact_key(run_id, "rl", "progress"),
+                                        description=f"RL iterations of run {run_id}")
+    rows = [table_row(r) for i, r in sorted(read_metrics(loop.metrics_uri, loop.store.storage_options).items())
+            if i < loop.start_rollout_id]  # iterations of an earlier attempt, kept by the resume
+    for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
+        started, inside = time.perf_counter(), 0.0
+
+        def step(name: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            nonlocal inside
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            spent = time.perf_counter() - t0
+            phases.seconds[name] = round(phases.seconds.get(name, 0.0) + spent, 3)
+            inside += result["step_s"]
+            return result
+
+        if loop.eval_due(rollout_id, before_train=True):
+            step("eval", eval_step, loop, rollout_id, before_train=True)
+        rollout = step("rollout", rollout_step, loop, rollout_id)
+        step("train", train_step, loop, rollout_id, rollout["uri"])
+        if loop.save_due(rollout_id):
+            step("save", save_step, loop, rollout_id)
+        step("sync", sync_step, loop, rollout_id)
+        if loop.eval_due(rollout_id):
+            step("eval", eval_step, loop, rollout_id)
+        record = loop.log_step(rollout_id)
+        rows.append(table_row(record, time.perf_counter() - started - inside))
+        done = (rollout_id + 1) / loop.num_rollout
+        update_progress_artifact(progress, 100.0 * done,
+                                 description=f"run {run_id}: iteration {rollout_id + 1} of {loop.num_rollout}")
+        create_table_artifact(rows, key=artifact_key(run_id, "rl", "metrics"),
+                              description=f"RL metrics per iteration, run {run_id} (prefect_s: orchestration)")
+    return rows
+
+
+@task(name="rl", task_run_name="rl-{run_id}", cache_policy=CACHE, persist_result=True, result_serializer="json")
+def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
+    """RL from `inputs["load"]` on `inputs["prompt_data"]` (tokenizer/engines: `inputs["hf_checkpoint"]`).
+
+    `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same attempt.
+    """
+    phases = Phases()
+    with phases.time("prepare output"):
+        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options, resumable=True)
+    loop = RLLoop(with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,
+                              checkpoint__hf_checkpoint=inputs["hf_checkpoint"],
+                              data__prompt_data=inputs["prompt_data"]))
+    try:
+        with phases.time("setup"):
+            setup = loop.setup()
+        rows = drive(loop, run_id, phases)
+    finally:
+        with phases.time("close"):
+            loop.close()
+    checkpoint = latest_checkpoint(output)
+    if checkpoint is None:
+        raise NotCommittedError(f"rl finished without a committed checkpoint under {output}: set checkpoint.save_interval")
+    records = read_metrics(loop.metrics_uri, loop.store.storage_options)
+    last = records[max(records)] if records else {}
+    metrics = {"start_rollout_id": setup["start_rollout_id"], "num_rollout": loop.num_rollout,
+               "resumed": setup["resumed"], "iterations_run": loop.num_rollout - setup["start_rollout_id"],
+               "reward_mean_last": last.get("rl/reward_mean"), "metrics_uri": loop.metrics_uri,
+               "prefect_s_per_iteration": _mean([r["prefect_s"] for r in rows if "prefect_s" in r])}
+    return stage_result("rl", {"checkpoint": (checkpoint, manifest_hash(checkpoint, config.run.storage_options))},
+                        metrics, phases, rows=rows)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None

@@ -1,0 +1,75 @@
+"""The `rl` flow on the tiny kit through a real Prefect API: per-step task runs named by iteration over
+one RLLoop, the progress / metrics-table / report artifacts, and a failed run that resumes from its
+newest committed RL checkpoint (not from iteration 0), then is reused (Cached) unchanged."""
+
+from pathlib import Path
+
+import pytest
+from prefect.artifacts import Artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+
+from flows._report import artifact_key
+from flows.rl import CURVE_NAME, rl_flow
+from slime.rl import RLLoop, read_metrics
+from tasks.convert import convert
+
+TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
+
+
+def test_rl_flow_runs_steps_as_tasks_publishes_artifacts_and_resumes(prefect_api, tiny_kit, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--num-rollout", "2", "--rollout-batch-size", "2",
+                 "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
+                 "--eval-interval", "2", "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]
+    from slime.config import load_config
+
+    config = load_config(str(TINY_CPU), overrides)
+    start = convert.fn(config, "t", {"hf_checkpoint": str(tiny_kit.model_dir)},
+                       str(store / "t" / "convert" / "checkpoint"))["artifacts"]["checkpoint"]["uri"]
+    params = {"config": str(TINY_CPU), "overrides": overrides, "store": str(store), "run_id": "t", "model": start}
+
+    # 1. iteration 1 fails in training (after iteration 0 was checkpointed): the flow fails
+    real_train = RLLoop.train
+
+    def failing_train(self, rollout_id, uri):
+        if rollout_id == 1:
+            raise RuntimeError("injected failure in train-0001")
+        return real_train(self, rollout_id, uri)
+
+    monkeypatch.setattr(RLLoop, "train", failing_train)
+    with pytest.raises(RuntimeError, match="injected"):
+        rl_flow(**params)
+    monkeypatch.setattr(RLLoop, "train", real_train)
+    save = store / "t" / "rl" / "checkpoint"
+    assert sorted(p.name for p in save.iterdir() if p.is_dir()) == ["iter_0000000"]
+
+    # 2. the same parameters again: RL resumes at iteration 1 from that checkpoint
+    state = rl_flow(**params, return_state=True)
+    result = state.result()
+    assert result["status"] == "ran" and result["metrics"]["resumed"] is True
+    assert result["metrics"]["start_rollout_id"] == 1 and result["metrics"]["iterations_run"] == 1
+    assert result["artifacts"]["checkpoint"]["uri"] == str(save / "iter_0000001")
+    assert sorted(read_metrics(result["metrics"]["metrics_uri"])) == [0, 1]
+    assert [r["iteration"] for r in result["rows"]] == [0, 1] and result["rows"][1]["prefect_s"] >= 0
+    assert (store / "t" / "rl" / CURVE_NAME).read_bytes()[:4] == b"\x89PNG"
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        assert flow_run.name == "rl-t"
+        names = {t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[flow_run.id])))}
+        assert {"rl-t", "rollout-0001", "train-0001", "save-0001", "sync-0001", "eval-0001"} <= names
+        assert "rollout-0000" not in names  # done by the failed run, not redone
+        failed = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["train-0001"])))
+        assert {t.state.type.value for t in failed} == {"FAILED", "COMPLETED"}
+    progress = Artifact.get(artifact_key("t", "rl", "progress"))
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    table = Artifact.get(artifact_key("t", "rl", "metrics"))
+    assert table.type == "table" and '"iteration": 1' in table.data and "reward_mean" in table.data
+    report = Artifact.get(artifact_key("t", "rl", "report")).data
+    assert "Reward per iteration" in report and "data:image/png;base64," in report and str(save) in report
+
+    # 3. unchanged: reused from the store, nothing recomputed
+    again = rl_flow(**params)
+    assert again["status"] == "cached" and again["artifacts"] == result["artifacts"]

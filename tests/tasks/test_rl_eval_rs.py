@@ -1,0 +1,81 @@
+"""Tasks rejection_sampling and evaluate through `task.fn` (real built-in engine behind the router, no
+Prefect API), and the pure parts of the rl task and flow: metric table rows and the reward curve PNG."""
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from flows._plot import line_chart
+from flows.evaluate import eval_inputs
+from flows.rl import reward_curve
+from slime.evaluate import plan_evaluate
+from slime.storage import is_committed, manifest_hash, read_samples
+from tasks._stage import with_fields
+from tasks.evaluate import evaluate
+from tasks.rejection_sampling import rejection_sampling
+from tasks.rl import table_row
+
+
+@pytest.fixture(scope="module")
+def small(kit_config, tiny_kit, tmp_path_factory):
+    """Few prompts, short answers, the store in a temporary directory."""
+    return with_fields(kit_config, run__store=str(tmp_path_factory.mktemp("store")), run__run_id="r",
+                       rollout__rollout_max_response_len=4, rollout__n_samples_per_prompt=2,
+                       eval__eval_prompt_data={"arithmetic": f"{tiny_kit.eval}@[0:6]"})
+
+
+def test_rejection_sampling_commits_accepted_and_every_candidate(small, tiny_kit):
+    output = f"{small.run.store}/r/rejection_sampling"
+    inputs = {"load": str(tiny_kit.model_dir), "prompt_data": f"{tiny_kit.train}@[0:5]"}
+    result = rejection_sampling.fn(with_fields(small, rejection_sampling__rs_reward_threshold=None), "r", inputs,
+                                   output)
+    assert json.loads(json.dumps(result)) == result
+    accepted, candidates = result["artifacts"]["accepted"], result["artifacts"]["candidates"]
+    assert accepted["uri"] == f"{output}/accepted" and candidates["uri"] == f"{output}/accepted-candidates"
+    for artifact in (accepted, candidates):
+        assert is_committed(artifact["uri"]) and artifact["manifest_hash"] == manifest_hash(artifact["uri"])
+    m = result["metrics"]
+    assert m["prompts"] == 5 and m["samples"] == 10 == len(read_samples(candidates["uri"]))
+    assert m["accepted"] == len(read_samples(accepted["uri"])) and m["reused"] is False
+    assert result["seconds"]["sample and score"] > 0
+
+
+def test_evaluate_writes_where_the_plan_says_and_refuses_another_output(small, tiny_kit, tmp_path):
+    model = str(tiny_kit.model_dir)
+    planned = plan_evaluate(with_fields(small, checkpoint__load=model)).uri
+    inputs = eval_inputs(small, model)
+    assert set(inputs) == {"load", "eval_data_arithmetic"}
+    with pytest.raises(RuntimeError, match="planned"):
+        evaluate.fn(small, "r", inputs, str(tmp_path / "elsewhere"))
+    result = evaluate.fn(small, "r", inputs, planned)
+    (name, artifact), = result["artifacts"].items()
+    assert name == "eval_result" and artifact["uri"] == planned and is_committed(planned)
+    figures = result["metrics"]["datasets"]["arithmetic"]
+    assert 0.0 <= figures["mean_reward"] <= 1.0 and result["metrics"]["checkpoint"] == model
+
+
+def test_metric_rows_take_the_headline_numbers_and_eval_rewards():
+    record = {"rollout_id": 3, "weight_version": 4, "rl/reward_mean": 0.25, "rl/grad_norm": 1.5,
+              "eval/arithmetic/mean_reward": 0.5, "eval/arithmetic/pass@1": 0.5}
+    row = table_row(record, prefect_s=0.1234)
+    assert row["iteration"] == 3 and row["reward_mean"] == 0.25 and row["grad_norm"] == 1.5
+    assert row["ppo_kl"] is None and row["eval_mean_reward"] == "arithmetic 0.5000" and row["prefect_s"] == 0.123
+
+
+def png_size(png: bytes) -> tuple[int, int, bytes]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    start = png.index(b"IDAT")
+    (length,) = struct.unpack(">I", png[start - 4:start])
+    return width, height, zlib.decompress(png[start + 4:start + 4 + length])
+
+
+def test_reward_curve_is_a_png_with_a_caption_naming_its_series():
+    records = {0: {"rl/reward_mean": 0.1}, 1: {"rl/reward_mean": 0.3, "eval/arithmetic/mean_reward": 0.2}}
+    png, caption = reward_curve(records)
+    width, height, raw = png_size(png)
+    assert len(raw) == height * (1 + 3 * width)
+    assert "rollout reward mean" in caption and "eval arithmetic mean reward" in caption and "0.1000" in caption
+    assert raw != png_size(line_chart([]))[2]  # the curve is drawn, not an empty frame
