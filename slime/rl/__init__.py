@@ -59,4 +59,5 @@ def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
             loop.close()
     return {"run_id": config.run.run_id, "start_rollout_id": setup["start_rollout_id"],
             "num_rollout": loop.num_rollout, "resumed": setup["resumed"], "setup_s": setup["setup_s"],
+            "worker_urls": setup["worker_urls"], "router_url": setup["router_url"],
             "last_checkpoint": loop.last_checkpoint, "metrics_uri": loop.metrics_uri, "steps": steps}

@@ -5,8 +5,11 @@ uninterrupted run; async mode samples one weight version behind."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -91,6 +94,20 @@ def test_three_grpo_rollouts_with_saves_evals_and_metrics(full_run):
     assert records[2]["eval/weight_version"] == 3
     assert ArtifactStore.from_config(config).committed(config.run.run_id, "eval") == [
         f"{v:06d}-{name}" for v in (0, 2, 3) for name in ("summary", "tiny")]
+
+
+def test_the_run_stopped_everything_it_started(full_run):
+    import ray
+
+    _, result = full_run
+    for url in [*result["worker_urls"], result["router_url"]]:  # engines and router are gone
+        parsed = urlparse(url)
+        with pytest.raises(OSError), socket.create_connection((parsed.hostname, parsed.port), timeout=2):
+            pass
+    deadline = time.monotonic() + 30  # the placement group and actors gave their resources back
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
 
 @pytest.mark.slow
