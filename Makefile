@@ -33,14 +33,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: the Prefect pipeline (flows/pipeline.py) on the embedded CPU default, as a new run
-# under runs/: tiny kit -> convert (HF -> Megatron) -> SFT -> export (Megatron -> HF); rejection
-# sampling, RL and evaluation join as their flows land. Ephemeral Prefect API (no server to start);
-# run history in runs/.prefect. `make run RUN_ID=<an earlier id>` resumes or reuses that run.
+# under runs/: tiny kit -> convert (HF -> Megatron) -> SFT -> rejection sampling (reported) -> RL
+# (Ray, one Prefect task per step) -> evaluate (RL and SFT checkpoints) -> export (Megatron -> HF).
+# Ephemeral Prefect API (no server to start); run history in runs/.prefect. It ends with a summary
+# (time per stage, eval accuracy per stage, artifacts, exported HF directory, how to open the UI).
+# `make run RUN_ID=<an earlier id>` resumes or reuses that run.
 run: $(STAMP)
 	$(BIN)/slime datasets make-tiny $(KIT)
-	$(PREFECT_ENV) $(BIN)/python -m flows.pipeline --config $(CONFIG) --run-id $(RUN_ID)
-	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/; same run again (reuses every completed stage):" \
-	      "make run RUN_ID=$(RUN_ID)"
+	@start=$$(date +%s); $(PREFECT_ENV) $(BIN)/python -m flows.pipeline --config $(CONFIG) --run-id $(RUN_ID) \
+	  && echo "pipeline took $$(( $$(date +%s) - start )) s"
+	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/ (Prefect stage results in runs/.prefect-results);" \
+	      "same run again (reuses every completed stage): make run RUN_ID=$(RUN_ID)"
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -83,4 +83,6 @@ def run_stage(stage_task: Task, config: Config, run_id: str, inputs: dict[str, s
     if decorate is not None:
         decorate(summary, config)
     publish_stage_report(summary, config, stage_task.cache_policy.config_fields)
+    for figure in summary.get("figures", []):
+        figure.pop("embed", None)  # the image is in the report and the store; the result stays small
     return summary

@@ -76,7 +76,7 @@ def eval_step(loop: RLLoop, rollout_id: int, before_train: bool = False) -> dict
 
 def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[str, Any]:
     """One row of the per-iteration metrics table (rounded; missing values empty)."""
-    row: dict[str, Any] = {"iteration": record["rollout_id"], "weight_version": record.get("weight_version")}
+    row: dict[str, Any] = {"iteration": int(record["rollout_id"]), "weight_version": record.get("weight_version")}
     for key, column in TABLE_COLUMNS.items():
         value = record.get(key)
         row[column] = round(value, 6) if isinstance(value, float) else value

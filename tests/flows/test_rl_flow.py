@@ -1,6 +1,7 @@
 """The `rl` flow on the tiny kit through a real Prefect API: per-step task runs named by iteration over
 one RLLoop, the progress / metrics-table / report artifacts, and a failed run that resumes from its
-newest committed RL checkpoint (not from iteration 0), then is reused (Cached) unchanged."""
+newest committed RL checkpoint (not from iteration 0), then is reused (Cached) unchanged; the
+scheduled eval (`eval_watch_run`) evaluates its newest checkpoint once and then skips."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 
 from flows._report import artifact_key
+from flows.evaluate import evaluate_flow
 from flows.rl import CURVE_NAME, rl_flow
 from slime.rl import RLLoop, read_metrics
 from tasks.convert import convert
@@ -73,3 +75,11 @@ def test_rl_flow_runs_steps_as_tasks_publishes_artifacts_and_resumes(prefect_api
     # 3. unchanged: reused from the store, nothing recomputed
     again = rl_flow(**params)
     assert again["status"] == "cached" and again["artifacts"] == result["artifacts"]
+
+    # 4. the scheduled eval: the newest committed checkpoint of run t, then nothing new, then a run without any
+    watch = {"config": str(TINY_CPU), "overrides": overrides, "store": str(store)}
+    evaluated = evaluate_flow(**watch, eval_watch_run="t")
+    assert evaluated["status"] == "ran" and evaluated["metrics"]["checkpoint"] == str(save / "iter_0000001")
+    assert evaluate_flow(**watch, eval_watch_run="t")["status"] == "skipped"
+    nothing = evaluate_flow(**watch, eval_watch_run="empty")
+    assert nothing["status"] == "skipped" and "no committed checkpoint" in nothing["reason"]
