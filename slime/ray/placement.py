@@ -38,6 +38,7 @@ TRAIN_SHARE = 0.4  # of a bundle's GPU and CPU, per train actor
 MANAGER_CPU = 0.1  # of the first engine's bundle, for the rollout manager
 PROBE_SHARE = 0.01
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # only URIs and small dicts travel through Ray
+LOCAL_START_ATTEMPTS = 3
 
 
 class PlacementError(ConfigError):
@@ -112,22 +113,29 @@ class RayCluster:
             logger.info("joined the Ray cluster at %s in %.1f s", address, time.monotonic() - t0)
             return cls(address=address)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private dev cluster (research/prefect.md)
-        temp_dir = tempfile.mkdtemp(prefix="slime-ray-", dir="/tmp")  # short: Ray's socket paths are limited
         if num_gpus is None:
             import torch
 
             num_gpus = torch.cuda.device_count()
         if num_cpus is None:
             num_cpus = max(os.cpu_count() or 1, plan_placement(cluster, use_gpu=num_gpus > 0).num_bundles + 1)
-        try:
-            # actors import what this driver can (plugins given as dotted paths): same sys.path
-            path = os.pathsep.join(p for p in sys.path if p)
-            ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir, include_dashboard=False,
-                     object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": path}})
-        except BaseException:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            raise
+        for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+            temp_dir = tempfile.mkdtemp(prefix="slime-ray-", dir="/tmp")  # short: Ray's socket paths are limited
+            try:
+                # actors import what this driver can (plugins given as dotted paths): same sys.path
+                path = os.pathsep.join(p for p in sys.path if p)
+                ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir, include_dashboard=False,
+                         object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": path}})
+                break
+            except Exception as exc:
+                # Ray gives its raylet a hard-coded 30 s to register; an overloaded machine misses that
+                ray.shutdown()
+                _kill_processes_of(temp_dir)
+                shutil.rmtree(temp_dir, ignore_errors=True)
+                if attempt == LOCAL_START_ATTEMPTS:
+                    raise
+                logger.warning("local Ray start %d/%d failed (%s); retrying", attempt, LOCAL_START_ATTEMPTS, exc)
         logger.info("started a local Ray cluster (%s CPUs, %s GPUs, temp dir %s) in %.1f s", num_cpus, num_gpus,
                     temp_dir, time.monotonic() - t0)
         return cls(started=True, temp_dir=temp_dir)
@@ -140,6 +148,18 @@ class RayCluster:
             ray.shutdown()  # stops only the processes of the cluster this driver started
         if self.started and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _kill_processes_of(temp_dir: str) -> None:
+    """Kill, by PID, the Ray processes a failed start left behind: they name our private temp dir."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+                proc.kill()
+        except psutil.Error:
+            continue
 
 
 # ----------------------------------------------------------------------------- placement group

@@ -335,7 +335,7 @@ class TrainActor:
         self.offloaded = False
         return {"offloaded": False, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated()}
 
-    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, float]:
+    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, Any]:
         """Push the current weights to the engines at `urls` (`slime.sync.WeightSyncer`, mode from
         `sync.weight_sync_mode`); the sync metrics. Every rank drains the weight export (it may gather
         tensor-parallel shards); rank 0 alone talks to the engines, so the others return {}."""
@@ -357,7 +357,7 @@ class TrainActor:
                                        hf_config=self.bridge.hf_config,
                                        master_address=ray.util.get_node_ip_address())
         result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
-        return result.metrics()
+        return {**result.metrics(), "sync/weight_version": result.weight_version}
 
     def close(self) -> None:
         """Release what the weight syncer holds between syncs (its process group); idempotent."""

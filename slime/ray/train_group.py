@@ -81,7 +81,7 @@ class TrainGroup:
     def onload(self) -> list[dict[str, Any]]:
         return self._all("onload")
 
-    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, float]:
+    def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, Any]:
         """Sync the weights into the engines at `urls` (see `TrainActor.update_weights`); the metrics."""
         return self._all("update_weights", urls, weight_version)[0]
 

@@ -4,11 +4,20 @@ request the cluster cannot hold."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from slime.config import ClusterConfig
 from slime.errors import ConfigError
-from slime.ray.placement import PlacementError, RayCluster, create_placement, plan_placement
+from slime.ray.placement import (
+    PlacementError,
+    RayCluster,
+    _kill_processes_of,
+    create_placement,
+    plan_placement,
+)
 
 
 def test_plan_decoupled_puts_engines_after_the_train_bundles():
@@ -41,6 +50,22 @@ def test_plan_cpu_mode_and_defaults():
 def test_plan_refuses_engines_that_do_not_divide():
     with pytest.raises(ConfigError, match="rollout_num_gpus 3 is not a multiple of rollout_num_gpus_per_engine 2"):
         plan_placement(ClusterConfig(rollout_num_gpus=3, rollout_num_gpus_per_engine=2), use_gpu=True)
+
+
+def test_a_failed_local_start_leaves_no_process_behind(tmp_path):
+    """The clean-up before a retry kills exactly the processes naming the private temp dir."""
+    temp_dir = str(tmp_path / "slime-ray-x")
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", temp_dir])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                              str(tmp_path / "unrelated")])
+    try:
+        _kill_processes_of(temp_dir)
+        assert ours.wait(timeout=30) != 0
+        assert other.poll() is None
+    finally:
+        for proc in (ours, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_after_a_weight_sync_the_engines_sample_from_the_trained_policy(manager,
     import ray
 
     synced = group.update_weights(ray.get(manager.worker_urls.remote()), 11)
-    assert synced["sync/bytes"] > 0 and synced["sync/total_s"] > 0
+    assert synced["sync/bytes"] > 0 and synced["sync/total_s"] > 0 and synced["sync/weight_version"] == "11"
     uri, _ = ray.get(manager.generate.remote(11))
     # lr 1e-2 moved every weight: engines still on the old weights differ by ~0.26 (measured), not < 1e-4
     check_first_step(group.train(11, uri))
