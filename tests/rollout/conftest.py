@@ -1,4 +1,5 @@
-"""Rollout test setup: two built-in engines behind the real sglang-router, one cluster per test module."""
+"""Rollout test setup: two built-in engines behind the real sglang-router, shared by the rollout test
+modules (session scope); tests that kill engines get a module-scoped cluster of their own."""
 
 from __future__ import annotations
 
@@ -21,10 +22,8 @@ if REPO_ROOT not in sys.path:
     sys.path.append(REPO_ROOT)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_kit, tmp_path_factory):
-    """(router, [(process, url), (process, url)]): stopped, and checked stopped, after the module."""
-    logs = tmp_path_factory.mktemp("rollout-cluster")
+def _cluster(tiny_kit, logs):
+    """(router, [(process, url), (process, url)]): stopped, and checked stopped, afterwards."""
     engines = []
     router = None
     try:
@@ -44,24 +43,36 @@ def cluster(tiny_kit, tmp_path_factory):
     assert router is None or not router.alive
 
 
+@pytest.fixture(scope="session")
+def cluster(tiny_kit, tmp_path_factory):
+    """Two engines behind the router, shared by every rollout test module (none of them stops it)."""
+    yield from _cluster(tiny_kit, tmp_path_factory.mktemp("rollout-cluster"))
+
+
+@pytest.fixture(scope="module")
+def doomed_cluster(tiny_kit, tmp_path_factory):
+    """A module's own cluster, for tests that kill its engines."""
+    yield from _cluster(tiny_kit, tmp_path_factory.mktemp("doomed-cluster"))
+
+
 def engine_requests(engines) -> list[int]:
     """Requests each engine holds right now (running + waiting), from its own /get_load."""
     with httpx.Client(timeout=30, trust_env=False) as http:
         return [http.get(f"{url}/get_load").json()[0]["num_reqs"] for _, url in engines]
 
 
+def args_for(router, tiny_kit, **fields: Any):
+    """slime's flat `args` for a rollout against `router`: small defaults, `fields` (flat names) on top."""
+    nested: dict[str, dict[str, Any]] = {}
+    defaults = {"hf_checkpoint": str(tiny_kit.model_dir), "prompt_data": str(tiny_kit.train),
+                "rollout_batch_size": 4, "n_samples_per_prompt": 2, "rollout_max_response_len": 6,
+                "sglang_server_concurrency": 8}
+    for name, value in {**defaults, **fields}.items():
+        nested.setdefault(FIELD_SECTION[name], {})[name] = value
+    return rollout_args(Config.model_validate(nested), router)
+
+
 @pytest.fixture
 def make_args(tiny_kit, cluster):
-    """`make_args(**flat_fields)`: slime's flat `args` for a rollout against the module's cluster."""
-    router, _ = cluster
-
-    def make(**fields: Any):
-        nested: dict[str, dict[str, Any]] = {}
-        defaults = {"hf_checkpoint": str(tiny_kit.model_dir), "prompt_data": str(tiny_kit.train),
-                    "rollout_batch_size": 4, "n_samples_per_prompt": 2, "rollout_max_response_len": 6,
-                    "sglang_server_concurrency": 8}
-        for name, value in {**defaults, **fields}.items():
-            nested.setdefault(FIELD_SECTION[name], {})[name] = value
-        return rollout_args(Config.model_validate(nested), router)
-
-    return make
+    """`make_args(**flat_fields)`: slime's flat `args` for a rollout against the shared cluster."""
+    return lambda **fields: args_for(cluster[0], tiny_kit, **fields)
