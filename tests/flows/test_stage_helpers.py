@@ -1,4 +1,4 @@
-"""How a stage flow resolves its run (no Prefect API needed)."""
+"""How a stage flow resolves its run, and the pipeline's stage table and summary (no Prefect API needed)."""
 
 import re
 from pathlib import Path
@@ -43,3 +43,26 @@ def test_a_stage_run_alone_takes_the_newest_committed_upstream_checkpoint(tmp_pa
     (tmp_path / "r" / "sft" / "checkpoint" / "iter_0000012").mkdir()  # uncommitted: not a checkpoint yet
     assert newest_model(config, "r", ("sft", "convert")) == str(tmp_path / "r" / "sft" / "checkpoint" / "iter_0000008")
     assert newest_model(config, "r", ("convert",)).endswith("/r/convert/checkpoint/iter_0000000")
+
+
+def test_pipeline_summary_lists_skipped_stages_eval_accuracy_per_checkpoint_and_the_export():
+    from flows.pipeline import describe, stage_rows
+
+    def stage(uri, **metrics):
+        return {"status": "ran", "artifacts": {"a": {"uri": uri, "manifest_hash": "0" * 64}},
+                "seconds": {"x": 1.25}, "metrics": metrics}
+
+    sft_eval = stage("/s/ev-sft", checkpoint="/s/sft/iter_1", datasets={"arith": {"mean_reward": 0.25, "pass@1": 0.25}})
+    results = {"convert": stage("/s/convert"), "sft": stage("/s/sft/iter_1"),
+               "evaluate": {**stage("/s/ev-rl", checkpoint="/s/rl/iter_3",
+                                    datasets={"arith": {"mean_reward": 0.5, "pass@1": 0.5, "truncated_ratio": 0.1}}),
+                            "compared": [sft_eval]},
+               "export": {**stage("/s/hf"), "artifacts": {"hf_model": {"uri": "/s/hf", "manifest_hash": "1" * 64}}}}
+    rows = {r["stage"]: r for r in stage_rows(results, ["rejection_sampling", "rl"])}
+    assert rows["rl"]["status"] == "skipped" and rows["sft"]["seconds"] == 1.25
+    assert stage_rows(results)[3]["status"] == "not completed"
+    text = describe(results)
+    assert "/s/sft/iter_1  arith: mean_reward 0.2500, pass@1 0.2500" in text
+    assert "/s/rl/iter_3  arith: mean_reward 0.5000, pass@1 0.5000" in text and "truncated" not in text
+    assert text.index("/s/sft/iter_1  arith") < text.index("/s/rl/iter_3  arith")
+    assert "exported HF model: /s/hf" in text
