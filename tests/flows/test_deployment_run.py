@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows.pipeline import OPTIONAL  # left out here: this test is about the deployment, not the stages
 from slime.engines.process import find_free_port
 from slime.storage import ArtifactStore
 
@@ -77,7 +78,8 @@ def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
         # 1. a deployment run whose export fails (its origin HF directory is not there yet): --watch exits 1
         prefect("deployment", "run", "post-training/tiny-cpu", "--watch",
                 "--param", f"overrides={json.dumps(overrides)}", "--param", f"store={json.dumps(str(store))}",
-                "--param", 'run_id="deployed"', timeout=480, expect=1)
+                "--param", 'run_id="deployed"', "--param", f"skip={json.dumps(list(OPTIONAL))}",
+                timeout=480, expect=1)
         sft_manifest = store / "deployed" / "sft" / "checkpoint" / "iter_0000001" / "manifest.json"
         committed_at = json.loads(sft_manifest.read_text())["created_at"]
 
