@@ -23,19 +23,21 @@ from slime.rl.metrics import read_metrics
 __all__ = ["RLLoop", "read_metrics", "run_rl"]
 
 
+def _stop(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def _sigterm_as_exit():
-    """SIGTERM raises SystemExit in the main thread, so the loop's `finally` stops its processes."""
+    """SIGTERM raises SystemExit in the main thread, so the loop's `finally` stops its processes.
+    Yields a function that installs the handler again: `ray.init` replaces it with Ray's own, which
+    aborts the process (SIGABRT, nothing cleaned up)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        yield
+        yield lambda: signal.signal(signal.SIGTERM, _stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -44,8 +46,10 @@ def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
     """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record."""
     loop = RLLoop(config, **loop_options)
     steps: list[dict[str, Any]] = []
-    with _sigterm_as_exit():
+    with _sigterm_as_exit() as reinstall:
         try:
+            loop.connect()
+            reinstall()
             setup = loop.setup()
             for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
                 loop.maybe_eval(rollout_id, before_train=True)

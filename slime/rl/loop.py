@@ -106,19 +106,28 @@ class RLLoop:
 
     # ------------------------------------------------------------------------- set-up
 
+    def connect(self) -> None:
+        """Start a local Ray or join `cluster.ray_address` (nothing when this process is connected
+        already: that Ray is used and left running); `setup` calls it when not called before."""
+        import ray
+
+        from slime.ray.placement import RayCluster
+
+        if not ray.is_initialized():
+            self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+
     def setup(self) -> dict[str, Any]:
         """Start Ray (or join it), the placement, the rollout manager and the train group; restore the
         data-source state of a resumed checkpoint; push the trainer's weights into the engines."""
         import ray
 
-        from slime.ray.placement import RayCluster, create_placement
+        from slime.ray.placement import create_placement
         from slime.ray.rollout_manager import RolloutManager
         from slime.ray.train_group import TrainGroup
 
         t0 = time.monotonic()
         c = self.config
-        if not ray.is_initialized():
-            self.cluster = RayCluster.connect(c.cluster, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+        self.connect()
         self.placement = create_placement(c.cluster)
         self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
             c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir)

@@ -152,3 +152,55 @@ def test_async_mode_samples_one_weight_version_behind(tiny_kit, root, ray_cluste
     assert records[0]["rl/logprob_abs_diff"] < 1e-4  # on-policy
     assert records[1]["rl/logprob_abs_diff"] > 1e-3  # one step off-policy (lr 1e-2)
     assert [records[i]["weight_version"] for i in range(3)] == [1, 2, 3]
+
+
+def engine_processes(model_dir: Path) -> list[int]:
+    """PIDs of live processes whose command line names the kit's model (engine servers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(model_dir) in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_sigterm_after_a_checkpoint_stops_everything_and_the_rerun_resumes(tiny_kit, root, ray_cluster, full_run):
+    import signal
+    import subprocess
+
+    import yaml
+
+    full_config, _ = full_run
+    config = loop_config(tiny_kit, root, "sigterm", ranks=1, engines=1)
+    config_file = root / "sigterm.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert not engine_processes(tiny_kit.model_dir)
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "ray")}
+    child = subprocess.Popen([sys.executable, "-m", "slime.rl", "--config", str(config_file)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 480
+        while latest_checkpoint(config.checkpoint.save) is None and child.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.5)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=240) == 128 + signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert latest_checkpoint(config.checkpoint.save).endswith("iter_0000001")
+    deadline = time.monotonic() + 30
+    while engine_processes(tiny_kit.model_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(tiny_kit.model_dir)  # the stopped run's engines went with it
+
+    result = run_rl(config)
+    assert result["start_rollout_id"] == 2 and len(result["steps"]) == 1
+    assert rollout_rows(config, 2) == rollout_rows(full_config, 2)
