@@ -51,9 +51,9 @@ def prepare_output(uri: str, attempt_key: str, storage_options: dict[str, Any] |
                     continue  # uncommitted leftovers are invisible to readers and overwritten by writers
                 if not _problems(child, storage_options):
                     break
-                moved.append(_move_aside(fs, child))
+                moved.append(move_aside(fs, child))
         else:
-            moved.append(_move_aside(fs, path))
+            moved.append(move_aside(fs, path))
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(marker, json.dumps({"key": attempt_key}).encode())
     return moved
@@ -66,7 +66,8 @@ def _problems(uri: str, storage_options: dict[str, Any] | None) -> list[str]:
         return [str(exc)]
 
 
-def _move_aside(fs: Any, path: str) -> str:
+def move_aside(fs: Any, path: str) -> str:
+    """Rename `path` to `<path>.replaced-<UTC time>` (nothing is deleted); the new path."""
     aside = f"{path.rstrip('/')}.replaced-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}"
     fs.mv(path, aside, recursive=True)
     logger.warning("moved %s aside to %s", path, aside)

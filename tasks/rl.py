@@ -22,9 +22,10 @@ from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config
 from slime.errors import NotCommittedError
 from slime.rl import RLLoop, read_metrics
-from slime.storage import manifest_hash
+from slime.storage import ArtifactStore, manifest_hash
+from slime.storage.fs import open_fs
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks._stage import Phases, move_aside, prepare_output, stage_result, with_fields
 from tasks.evaluate import GPU_TAG
 
 OUTPUT_NAME = "checkpoint"
@@ -134,6 +135,8 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
     phases = Phases()
     with phases.time("prepare output"):
         prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options, resumable=True)
+        if latest_checkpoint(output) is None:
+            set_aside_step_outputs(config, run_id)
     loop = RLLoop(with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,
                               checkpoint__hf_checkpoint=inputs["hf_checkpoint"],
                               data__prompt_data=inputs["prompt_data"]))
@@ -155,6 +158,19 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
                "prefect_s_per_iteration": _mean([r["prefect_s"] for r in rows if "prefect_s" in r])}
     return stage_result("rl", {"checkpoint": (checkpoint, manifest_hash(checkpoint, config.run.storage_options))},
                         metrics, phases, rows=rows)
+
+
+def set_aside_step_outputs(config: Config, run_id: str) -> list[str]:
+    """Before a start from iteration 0: move the run's rollout/eval step outputs and metrics log of an
+    earlier attempt aside (committed step outputs are never overwritten, and a fresh loop rewrites them)."""
+    store = ArtifactStore.from_config(config)
+    moved = []
+    for uri in (store.uri(run_id, "rollout"), store.uri(run_id, "rollout_dropped"), store.uri(run_id, "eval"),
+                store.uri(run_id, "rl", "metrics.jsonl")):
+        fs, path = open_fs(uri, store.storage_options)
+        if fs.exists(path):
+            moved.append(move_aside(fs, path))
+    return moved
 
 
 def _mean(values: list[float]) -> float | None:

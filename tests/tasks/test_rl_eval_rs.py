@@ -79,3 +79,17 @@ def test_reward_curve_is_a_png_with_a_caption_naming_its_series():
     assert len(raw) == height * (1 + 3 * width)
     assert "rollout reward mean" in caption and "eval arithmetic mean reward" in caption and "0.1000" in caption
     assert raw != png_size(line_chart([]))[2]  # the curve is drawn, not an empty frame
+
+
+def test_a_fresh_rl_start_moves_the_earlier_attempts_step_outputs_aside(kit_config, tmp_path):
+    from tasks.rl import set_aside_step_outputs
+
+    config = with_fields(kit_config, run__store=str(tmp_path))
+    for name in ("rollout/000000/part-0.arrow", "eval/000000-summary/summary.json", "rl/metrics.jsonl"):
+        (tmp_path / "r" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "r" / name).write_text("x")
+    moved = set_aside_step_outputs(config, "r")
+    assert len(moved) == 3 and all(".replaced-" in m for m in moved)
+    assert not (tmp_path / "r" / "rollout").exists() and not (tmp_path / "r" / "eval").exists()
+    assert not (tmp_path / "r" / "rl" / "metrics.jsonl").exists() and (tmp_path / "r" / "rl").is_dir()
+    assert set_aside_step_outputs(config, "r") == []  # nothing left: nothing moved
