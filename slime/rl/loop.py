@@ -295,6 +295,8 @@ class RLLoop:
     def log_step(self, rollout_id: int) -> dict[str, Any]:
         """Write the step's record (headline numbers first, then every scalar) and return it."""
         metrics = self._steps.pop(rollout_id, {})
+        for old in [i for i in self._states if i < rollout_id]:  # a later save needs only its own state
+            del self._states[old]
         record = {"rollout_id": rollout_id, "time": time.time(), "weight_version": self.weight_version,
                   "async": self.config.sync.async_mode, **headline(metrics), **jsonable(metrics)}
         record = jsonable(record)
