@@ -136,7 +136,6 @@ class RLLoop:
         self.num_rollout = self._resolve_num_rollout()
         self.train_group = TrainGroup(c, self.placement)
         self.start_rollout_id = self.train_group.init()
-        moved: list[str] = []
         if self.start_rollout_id > 0:
             extra = self.train_group.extra_state()
             if "data_source" in extra:
@@ -144,7 +143,7 @@ class RLLoop:
             else:
                 logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
                                "start from the beginning of the data", self.start_rollout_id)
-            moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id)
+        moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id)  # outputs to redo
         sync = self._update_weights(self.start_rollout_id)  # engines start from the HF weights: align them
         if self.offload_train:
             self.train_group.offload()

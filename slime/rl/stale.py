@@ -1,7 +1,8 @@
 """Set aside the outputs of steps a resumed run will redo.
 
 A run killed after its checkpoint at rollout N may already have committed rollout N+1 (and more in
-async mode) and evals of weights that were never checkpointed. The resumed run regenerates those
+async mode) and evals of weights that were never checkpointed; one killed before its first
+checkpoint leaves outputs from rollout 0 on (the rerun starts over, before-train eval included). The resumed run regenerates those
 steps from the checkpoint, and committed shard sets are never overwritten, so the old ones are moved
 (not deleted: nothing is lost) to `{run_id}/rl_stale/{timestamp}-{stage}-{name}`.
 """
@@ -24,11 +25,11 @@ def _step_of(name: str) -> int | None:
 
 def set_aside_stale_steps(store: ArtifactStore, run_id: str, start_rollout_id: int) -> list[str]:
     """Move rollout (and dropped-rollout) outputs of ids >= `start_rollout_id`, and evals of weight
-    versions > `start_rollout_id`, out of the way; the new URIs."""
+    versions > `start_rollout_id` (>= 0 on a start from 0), out of the way; the new URIs."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     moved: list[str] = []
     for stage, first in (("rollout", start_rollout_id), ("rollout_dropped", start_rollout_id),
-                         ("eval", start_rollout_id + 1)):
+                         ("eval", start_rollout_id + 1 if start_rollout_id else 0)):
         fs, root = open_fs(store.uri(run_id, stage), store.storage_options)
         if not fs.exists(root):
             continue

@@ -104,3 +104,6 @@ def test_outputs_of_steps_to_redo_are_moved_not_deleted(tmp_path):
     assert sorted(name.split("-", 1)[1] for name in store.committed("r", "rl_stale")) == [
         "eval-000003-tiny", "rollout-000002", "rollout-000003", "rollout_dropped-000002"]
     assert set_aside_stale_steps(store, "r", 2) == []
+    # a rerun that found no checkpoint starts over: every step output goes, the before-train eval too
+    assert len(set_aside_stale_steps(store, "r", 0)) == 2
+    assert store.committed("r", "rollout") == [] and store.committed("r", "eval") == []
