@@ -59,9 +59,14 @@ class EngineArgs:
 
 
 def _resolve_device(name: str) -> torch.device:
+    """The engine's device, with an explicit index on CUDA (`cuda` -> `cuda:N`, the current device):
+    NCCL groups and `torch.cuda.set_device` need one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
