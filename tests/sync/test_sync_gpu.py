@@ -23,8 +23,12 @@ BF16_TOLERANCE = 0.05  # log-prob gap for bf16 weights and kernels that differ b
 
 @pytest.fixture(scope="module")
 def engine(tiny_kit, tmp_path_factory):
+    # the last GPU: with two, the engine sits on GPU 1 and this process (the trainer) on GPU 0, as NCCL
+    # needs. Measured 2026-11-21: on one H100 the tensor (CUDA IPC) case passes; on two H200s both cases got
+    # an HTTP 500 from the engine after the sync (not yet diagnosed; see issue 5)
+    device = f"cuda:{torch.cuda.device_count() - 1}"
     process, url = start_builtin_engine(str(tiny_kit.model_dir), log_path=tmp_path_factory.mktemp("gpu") / "e.log",
-                                        device="cuda", dtype="bfloat16", kv_cache="slots")
+                                        device=device, dtype="bfloat16", kv_cache="slots")
     yield url
     process.stop()
 
@@ -35,8 +39,10 @@ def local_log_probs(model, tokens):
     return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(tokens[1:], device="cuda")[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+@pytest.mark.parametrize("mode", ["tensor", pytest.param("distributed", marks=pytest.mark.gpu2)])
 def test_gpu_sync_matches_trainer_model(engine, tiny_kit, mode):
+    if mode == "distributed" and torch.cuda.device_count() < 2:
+        pytest.fail("NCCL needs the trainer and the engine on different GPUs: run on a 2-GPU machine")
     model = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.bfloat16).cuda().eval()
     generator = torch.Generator(device="cuda").manual_seed(3)
     with torch.no_grad():
