@@ -78,7 +78,7 @@ class RolloutManager:
 
         from slime.data.source import RolloutDataSource
         from slime.engines.router import SGLangRouter
-        from slime.plugins import load_function
+        from slime.rollout import load_rollout_function
         from slime.rollout import rollout_args
 
         c = self.config
@@ -100,7 +100,7 @@ class RolloutManager:
         self.args = rollout_args(c, self.router)
         tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
         self.data_source = RolloutDataSource.from_config(c, tokenizer)
-        self.rollout_fn = load_function(c.rollout.rollout_function_path)
+        self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
         logger.info("rollout manager: %d %s engines behind %s in %.1f s", len(self.engines), c.engine.engine,
                     self.router.url, time.monotonic() - t0)
         return {"router_url": self.router.url, "worker_urls": self.worker_urls(),
