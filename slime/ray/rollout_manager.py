@@ -78,8 +78,7 @@ class RolloutManager:
 
         from slime.data.source import RolloutDataSource
         from slime.engines.router import SGLangRouter
-        from slime.rollout import load_rollout_function
-        from slime.rollout import rollout_args
+        from slime.rollout import load_rollout_function, rollout_args
 
         c = self.config
         c.require("checkpoint.hf_checkpoint", "run.run_id", stage="rl")
