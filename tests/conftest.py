@@ -1,6 +1,9 @@
-"""Shared test setup: no network, no telemetry, and a session-wide tiny kit."""
+"""Shared test setup: no network, no telemetry, a session-wide tiny kit, and engine clusters."""
 
+import contextlib
+import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +19,35 @@ def tiny_kit(tmp_path_factory):
     from slime.data.tiny import make_tiny_kit
 
     return make_tiny_kit(tmp_path_factory.mktemp("tiny-kit") / "kit")
+
+
+@contextlib.contextmanager
+def _engine_cluster(model_dir: str, logs: Path, *, engines: int = 2, dtype: str = "auto", **router_options):
+    """`engines` built-in engines on `model_dir` (seeds 0, 1, ...) behind the real sglang-router:
+    yields (router, [(process, url), ...]); everything is stopped, and checked stopped, on exit."""
+    from slime.engines.builtin.launcher import start_builtin_engine
+    from slime.engines.router import SGLangRouter
+
+    started, router = [], None
+    try:
+        for i in range(engines):
+            started.append(start_builtin_engine(model_dir, log_path=logs / f"engine{i}.log", random_seed=i,
+                                                dtype=dtype))
+        router = SGLangRouter(worker_urls=[url for _, url in started], log_path=logs / "router.log",
+                              **router_options).start()
+        router.wait_workers_healthy(engines, timeout_s=60)
+        yield router, started
+    finally:
+        if router is not None:
+            router.stop()
+        for process, _ in started:
+            process.stop()
+    assert not any(process.alive for process, _ in started)
+    assert router is None or not router.alive
+
+
+@pytest.fixture(scope="session")
+def engine_cluster(tiny_kit):
+    """`engine_cluster(log_dir, engines=2, dtype="auto", **router_options)`: a context manager giving
+    built-in engines on the tiny kit behind the real router, for module- or session-scoped fixtures."""
+    return functools.partial(_engine_cluster, str(tiny_kit.model_dir))

@@ -13,30 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.client import EngineClient
-from slime.engines.router import SGLangRouter
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_kit, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("cluster")
-    engines = []
-    router = None
-    try:
-        for i in range(2):
-            engines.append(start_builtin_engine(str(tiny_kit.model_dir), log_path=logs / f"engine{i}.log",
-                                                random_seed=i))
-        router = SGLangRouter(worker_urls=[url for _, url in engines], health_check_interval_secs=1,
-                              health_failure_threshold=1, log_path=logs / "router.log").start()
-        router.wait_workers_healthy(2, timeout_s=60)
-        yield router, engines
-    finally:
-        if router is not None:
-            router.stop()
-        for process, _ in engines:
-            process.stop()
-    assert not any(process.alive for process, _ in engines)
+def cluster(engine_cluster, tmp_path_factory):
+    with engine_cluster(tmp_path_factory.mktemp("cluster"), health_check_interval_secs=1,
+                        health_failure_threshold=1) as running:
+        yield running
 
 
 @pytest.fixture

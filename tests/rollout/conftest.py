@@ -11,8 +11,6 @@ import httpx
 import pytest
 
 from slime.config import FIELD_SECTION, Config
-from slime.engines.builtin.launcher import start_builtin_engine
-from slime.engines.router import SGLangRouter
 from slime.rollout import rollout_args
 
 # `examples/` is a top-level directory of the repository, not an installed package: make it importable
@@ -22,37 +20,18 @@ if REPO_ROOT not in sys.path:
     sys.path.append(REPO_ROOT)
 
 
-def _cluster(tiny_kit, logs):
-    """(router, [(process, url), (process, url)]): stopped, and checked stopped, afterwards."""
-    engines = []
-    router = None
-    try:
-        for i in range(2):
-            engines.append(start_builtin_engine(str(tiny_kit.model_dir), log_path=logs / f"engine{i}.log",
-                                                random_seed=i))
-        router = SGLangRouter(worker_urls=[url for _, url in engines], health_check_interval_secs=1,
-                              log_path=logs / "router.log").start()
-        router.wait_workers_healthy(2, timeout_s=60)
-        yield router, engines
-    finally:
-        if router is not None:
-            router.stop()
-        for process, _ in engines:
-            process.stop()
-    assert not any(process.alive for process, _ in engines)
-    assert router is None or not router.alive
-
-
 @pytest.fixture(scope="session")
-def cluster(tiny_kit, tmp_path_factory):
+def cluster(engine_cluster, tmp_path_factory):
     """Two engines behind the router, shared by every rollout test module (none of them stops it)."""
-    yield from _cluster(tiny_kit, tmp_path_factory.mktemp("rollout-cluster"))
+    with engine_cluster(tmp_path_factory.mktemp("rollout-cluster"), health_check_interval_secs=1) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
-def doomed_cluster(tiny_kit, tmp_path_factory):
+def doomed_cluster(engine_cluster, tmp_path_factory):
     """A module's own cluster, for tests that kill its engines."""
-    yield from _cluster(tiny_kit, tmp_path_factory.mktemp("doomed-cluster"))
+    with engine_cluster(tmp_path_factory.mktemp("doomed-cluster"), health_check_interval_secs=1) as running:
+        yield running
 
 
 def engine_requests(engines) -> list[int]:
