@@ -100,7 +100,7 @@ def test_full_pipeline_resumes_rl_after_a_failure_and_keeps_earlier_stages(prefe
     store = tmp_path / "store"
     params = {"config": str(TINY_CPU), "store": str(store), "run_id": "full", "overrides": [
         "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1",
-        "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--num-rollout", "2", "--rollout-batch-size", "2",
+        "--prompt-data", str(tiny_kit.train), "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--num-rollout", "2", "--rollout-batch-size", "2",
         "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
         "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]}
     real_train = RLLoop.train

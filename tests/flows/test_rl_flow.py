@@ -21,7 +21,8 @@ TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
 
 def test_rl_flow_runs_steps_as_tasks_publishes_artifacts_and_resumes(prefect_api, tiny_kit, tmp_path, monkeypatch):
     store = tmp_path / "store"
-    overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--num-rollout", "2", "--rollout-batch-size", "2",
+    # every data path at the session's kit: tiny-cpu.yaml's own point at runs/tiny-kit, which make run builds
+    overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--prompt-data", str(tiny_kit.train), "--num-rollout", "2", "--rollout-batch-size", "2",
                  "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
                  "--eval-interval", "2", "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]
     from slime.config import load_config

@@ -19,4 +19,6 @@ def kit_config(tiny_kit):
     from slime.config import load_config
 
     return load_config(str(TINY_CPU), [
-        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1"])
+        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1",
+        "--prompt-data", str(tiny_kit.train), "--rs-prompt-data", f"{tiny_kit.train}@[0:32]",
+        "--eval-prompt-data", "arithmetic", str(tiny_kit.eval)])
