@@ -97,18 +97,31 @@ def _long_generation(url, rid, max_new_tokens):
     return thread, result
 
 
+def _wait_until_generating(http, url, prompt_tokens, timeout_s=120.0):
+    """Block until the engine runs one request that holds more than its prompt, i.e. has produced tokens
+    (`/get_load`: num_tokens counts the running requests' prompt and output tokens). An abort sent
+    earlier could arrive before the request and be a no-op; one sent later finds it generating."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = http.get(f"{url}/get_load").json()[0]
+        if load["num_reqs"] >= 1 and load["num_waiting_reqs"] == 0 and load["num_tokens"] > prompt_tokens:
+            return
+        assert time.monotonic() < deadline, f"the request did not start generating in {timeout_s} s: {load}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("how", ["abort_all", "rid"])
 def test_abort_returns_partial_tokens(target, http, how):
     rid = f"conformance-{how}-{time.monotonic_ns()}"
-    budget = _budget(http, target, 2)
+    budget = _budget(http, target, 2)  # the whole context: hundreds of steps, the abort lands after a few
     thread, result = _long_generation(target, rid, budget)
-    time.sleep(0.5)  # let it start and produce some tokens (both engines need longer for the whole budget)
+    _wait_until_generating(http, target, 2)
     body = {"abort_all": True} if how == "abort_all" else {"rid": rid}
     assert http.post(f"{target}/abort_request", json=body).status_code == 200
     thread.join(timeout=120)
     assert not thread.is_alive()
     out = result["reply"].json()
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
     assert 0 < len(out["output_ids"]) < budget
     assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
 
