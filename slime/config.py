@@ -258,6 +258,18 @@ class EngineConfig(_Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     sglang_router_ip: str = "127.0.0.1"
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
+    use_fault_tolerance: bool = Field(False, description="`slime rl`: poll every engine's /health_generate; a dead "
+                                                         "engine is restarted, re-synced and re-registered (docs/ray.md)")
+    rollout_health_check_interval: float = Field(30.0, gt=0, description="fault tolerance: seconds between two "
+                                                                         "health checks of the engines")
+    rollout_health_check_timeout: float = Field(30.0, gt=0, description="fault tolerance: seconds a /health_generate "
+                                                                        "may take before it counts as failed")
+    rollout_health_check_first_wait: float = Field(0.0, ge=0, description="fault tolerance: seconds before the first "
+                                                                          "check after start and after each onload")
+    rollout_health_check_failures: int = Field(1, ge=1, description="fault tolerance: failed checks in a row after "
+                                                                    "which an engine is restarted")
+    rollout_max_engine_restarts: int = Field(3, ge=0, description="fault tolerance: restarts per engine in a run; "
+                                                                  "past it the engine stays down, the others go on")
 
 
 class SyncConfig(_Section):

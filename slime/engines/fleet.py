@@ -3,9 +3,17 @@
 `policy_hf_dir` turns the policy into something an engine can load: an HF directory is served as is, a
 Megatron checkpoint (or a `--save` root: its newest committed iteration) is exported to HF once, at a
 location the caller names, and that export is reused while it comes from the same checkpoint.
-`serve_policy` starts `num_engines` engines (built-in or SGLang, `engine.engine`) behind a fresh
-sglang-router and stops everything it started when the block ends, also on errors. The RL loop keeps its
-engines for the whole run instead (`slime.ray.rollout_manager`).
+`EngineFleet` is the one place engines are started: N engines of one model (built-in or SGLang,
+`engine.engine`; on GPUs each with `CUDA_VISIBLE_DEVICES` set to its devices) behind a fresh
+sglang-router. It knows every engine's URL, process and state, and can replace one by index (stop the
+old process group, start a new one on a fresh port: a new URL, so a distributed weight-sync group is
+formed anew) and register it with the router again. `serve_policy` runs a fleet for one block and
+stops it after, also on errors; the RL loop's rollout manager keeps one for the whole run and replaces
+dead engines (`slime.engines.health`).
+
+Engine states: `serving` (registered at the router), `restarting`, `awaiting_sync` (running, not
+registered: it holds another weight version than the fleet), `down` (a restart failed; the health
+monitor tries again) and `failed` (given up: stopped for good).
 """
 
 from __future__ import annotations
@@ -13,12 +21,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Self
 
 from slime.config import Config
 from slime.engines.router import SGLangRouter
-from slime.errors import ConfigError
+from slime.errors import ConfigError, EngineError, EngineStartError
 
 logger = logging.getLogger(__name__)
 
@@ -54,33 +66,219 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     return run_export(export_config)["hf_dir"]
 
 
+
+ROUTER_WAIT_S = 120.0
+LIVE = ("serving", "awaiting_sync")  # states of a running engine
+
+
+@dataclass
+class EngineSlot:
+    """One engine position of the fleet; its process changes when it is restarted."""
+
+    index: int
+    devices: list[int]
+    server: Any = None  # ServerProcess (built-in) or SGLangEngine: both have .stop()
+    url: str = ""
+    state: str = "down"
+    restarts: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        process = getattr(self.server, "process", self.server)  # SGLangEngine wraps a ServerProcess
+        return getattr(process, "pid", None)
+
+    def info(self) -> dict[str, Any]:
+        return {"index": self.index, "url": self.url, "pid": self.pid, "state": self.state,
+                "restarts": self.restarts, "devices": list(self.devices)}
+
+
+_launch_lock = threading.Lock()  # CUDA_VISIBLE_DEVICES is process-wide: one launch at a time
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: list[int]) -> Iterator[None]:
+    """`CUDA_VISIBLE_DEVICES` for a child started inside the block (hold `_launch_lock`)."""
+    if not devices:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+class EngineFleet:
+    """Engines of one model behind one router; see the module docstring. `start()`, then `stop()` always.
+
+    Args:
+        config: engine kind, SGLang and router pass-through, router address, seed.
+        model_dir: HF directory every engine loads at start.
+        log_dir: engine{i}.log (a restart appends to it) and router.log.
+        devices: GPU ids per engine (`[[]] * n` on CPU); its length is the number of engines.
+    """
+
+    def __init__(self, config: Config, model_dir: str, log_dir: Path, devices: list[list[int]]) -> None:
+        if not devices:
+            raise ConfigError("an engine fleet needs at least one engine")
+        self.config = config
+        self.model_dir = model_dir
+        self.log_dir = Path(log_dir)
+        self.slots = [EngineSlot(i, list(d)) for i, d in enumerate(devices)]
+        self.router: SGLangRouter | None = None
+        self.lock = threading.RLock()  # slot states and router admin calls (the health monitor is a thread)
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> Self:
+        """Start every engine, then the router with all of them; wait until all are healthy there."""
+        c = self.config
+        try:
+            for slot in self.slots:
+                self._launch(slot)
+            self.router = SGLangRouter(host=c.engine.sglang_router_ip, port=c.engine.sglang_router_port,
+                                       worker_urls=[s.url for s in self.slots], router_args=c.router,
+                                       log_path=self.log_dir / "router.log")
+            self.router.start()
+            self.router.wait_workers_healthy(len(self.slots), timeout_s=ROUTER_WAIT_S)
+        except BaseException:
+            self.stop()
+            raise
+        for slot in self.slots:
+            slot.state = "serving"
+        return self
+
+    def stop(self) -> None:
+        """Stop the router and every engine process (idempotent)."""
+        with self.lock:
+            if self.router is not None:
+                self.router.stop()
+                self.router = None
+            for slot in reversed(self.slots):
+                if slot.server is not None:
+                    slot.server.stop()
+                    slot.server = None
+                slot.state = "down" if slot.state != "failed" else "failed"
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _launch(self, slot: EngineSlot) -> None:
+        """Start `slot`'s engine on a free port and wait until it can generate."""
+        from slime.engines.builtin.launcher import start_builtin_engine
+        from slime.engines.sglang_server import SGLangEngine
+
+        c = self.config
+        log = self.log_dir / f"engine{slot.index}.log"
+        if c.engine.engine == "sglang":
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.devices))} if slot.devices else {}
+            engine = SGLangEngine(self.model_dir, sglang_args=c.sglang, log_path=log, env=env)
+            slot.server = engine  # stoppable even if start fails half-way
+            slot.url = engine.start().url
+            return
+        with _launch_lock, _visible_devices(slot.devices):
+            slot.server, slot.url = start_builtin_engine(self.model_dir, log_path=log,
+                                                         random_seed=c.run.seed + slot.index)
+
+    # ------------------------------------------------------------------------- state
+
+    def urls(self, states: Iterable[str] = ("serving",)) -> list[str]:
+        """URLs of the engines in `states`, by index."""
+        wanted = set(states)
+        with self.lock:
+            return [s.url for s in self.slots if s.state in wanted]
+
+    def info(self) -> list[dict[str, Any]]:
+        """Per engine: index, url, pid, state, restarts, devices."""
+        with self.lock:
+            return [s.info() for s in self.slots]
+
+    @property
+    def restarts(self) -> int:
+        """Restarts of all engines so far."""
+        return sum(s.restarts for s in self.slots)
+
+    def _router(self) -> SGLangRouter:
+        if self.router is None:
+            raise EngineError("the engine fleet is not running (start() it first)")
+        return self.router
+
+    # ------------------------------------------------------------------------- replacing an engine
+
+    def deregister(self, index: int) -> None:
+        """Take engine `index` out of the router (nothing if it is not registered)."""
+        slot = self.slots[index]
+        with self.lock:
+            try:
+                self._router().remove_worker(slot.url)
+            except EngineError as exc:
+                logger.info("engine %d (%s) was not registered at the router: %s", index, slot.url, exc)
+
+    def restart(self, index: int) -> str:
+        """Replace engine `index`: out of the router, its process group stopped, a new one started on a
+        fresh port (state `awaiting_sync`, not registered). Returns the new URL; on a failed start the
+        slot is `down` and EngineStartError is raised."""
+        slot = self.slots[index]
+        with self.lock:
+            old = slot.url
+            slot.state = "restarting"
+        t0 = time.monotonic()
+        self.deregister(index)
+        if slot.server is not None:
+            slot.server.stop(timeout_s=10.0)
+        slot.restarts += 1
+        try:
+            self._launch(slot)
+        except BaseException:
+            with self.lock:
+                slot.state = "down"
+            raise
+        with self.lock:
+            slot.state = "awaiting_sync"
+        logger.info("engine %d restarted in %.1f s: %s -> %s (pid %s)", index, time.monotonic() - t0, old,
+                    slot.url, slot.pid)
+        return slot.url
+
+    def register(self, index: int, timeout_s: float = ROUTER_WAIT_S) -> None:
+        """Add engine `index` to the router and wait until the router lists it healthy (state `serving`)."""
+        slot = self.slots[index]
+        with self.lock:
+            router = self._router()
+            router.add_worker(slot.url)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.lock:
+                listed = {w["url"].rstrip("/"): w.get("is_healthy") for w in router.list_workers()}
+            if listed.get(slot.url.rstrip("/")):
+                break
+            if time.monotonic() >= deadline:
+                raise EngineStartError(f"router {router.url} did not list engine {index} ({slot.url}) as healthy "
+                                       f"within {timeout_s:.0f} s (listed: {listed})")
+            time.sleep(0.2)
+        with self.lock:
+            slot.state = "serving"
+        logger.info("engine %d (%s) registered with the router again", index, slot.url)
+
+    def retire(self, index: int) -> None:
+        """Give engine `index` up: out of the router, stopped, state `failed`."""
+        slot = self.slots[index]
+        self.deregister(index)
+        if slot.server is not None:
+            slot.server.stop(timeout_s=10.0)
+            slot.server = None
+        with self.lock:
+            slot.state = "failed"
+
+
 @contextlib.contextmanager
 def serve_policy(config: Config, model_dir: str, log_dir: Path, num_engines: int) -> Iterator[SGLangRouter]:
     """`num_engines` engines for `model_dir` behind a new router (yielded, healthy); all stopped on exit."""
-    from slime.engines.builtin.launcher import start_builtin_engine
-    from slime.engines.sglang_server import SGLangEngine
-
-    stops: list[Callable[[], None]] = []
-    router = None
-    try:
-        urls = []
-        for i in range(num_engines):
-            log_path = log_dir / f"engine{i}.log"
-            if config.engine.engine == "sglang":
-                engine = SGLangEngine(model_dir, sglang_args=config.sglang, log_path=log_path)
-                stops.append(engine.stop)
-                urls.append(engine.start().url)
-            else:
-                process, url = start_builtin_engine(model_dir, log_path=log_path, random_seed=config.run.seed + i)
-                stops.append(process.stop)
-                urls.append(url)
-        router = SGLangRouter(host=config.engine.sglang_router_ip, port=config.engine.sglang_router_port,
-                              worker_urls=urls, router_args=config.router, log_path=log_dir / "router.log")
-        router.start()
-        router.wait_workers_healthy(num_engines, timeout_s=120)
-        yield router
-    finally:
-        if router is not None:
-            router.stop()
-        for stop in reversed(stops):
-            stop()
+    with EngineFleet(config, model_dir, log_dir, [[] for _ in range(num_engines)]) as fleet:
+        yield fleet.router

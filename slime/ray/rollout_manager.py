@@ -11,21 +11,33 @@ commit together, and feeds it back with `load_data_source_state` on resume.
 
 `offload`/`onload` release and resume the engines' memory (`/release_memory_occupation`,
 `/resume_memory_occupation`); `dispose` stops every process this actor started.
+
+Weight updates go through `begin_weight_update()` (the URLs to sync: serving engines and restarted ones
+awaiting weights) and `end_weight_update(version)` (the fleet's version is now `version`; restarted
+engines that report it are registered with the router again). With `engine.use_fault_tolerance` a
+`HealthMonitor` thread polls the engines; a dead one is restarted (`EngineFleet.restart`, fresh port) and
+then re-synced before it serves: at once when the fleet never changed weights (the new process loaded
+the same HF checkpoint) or when disk mode left the current version's HF directory in
+`sync.update_weight_disk_dir`, otherwise by the trainer's next sync. The monitor is paused while the
+engines are offloaded and during a weight update. A rollout in progress goes on on the other engines
+(the router and the client retry a request whose engine died). See docs/ray.md, "Fault tolerance".
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from slime.config import Config
-from slime.errors import ConfigError
+from slime.engines.fleet import LIVE, EngineFleet
+from slime.engines.health import HealthMonitor
+from slime.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -33,23 +45,6 @@ logger = logging.getLogger(__name__)
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     """The JSON-able scalar entries of a metrics dict (what crosses Ray)."""
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool) or v is None}
-
-
-@contextlib.contextmanager
-def _visible_devices(devices: list[int]):
-    """`CUDA_VISIBLE_DEVICES` for a child started inside the block (this actor is single-threaded)."""
-    if not devices:
-        yield
-        return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class RolloutManager:
@@ -66,18 +61,24 @@ class RolloutManager:
         self.config = Config.model_validate(config)
         self.engine_devices = engine_devices
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="slime-rollout-"))
-        self.engines: list[tuple[Any, str]] = []  # (object with .stop(), url)
-        self.router: Any = None
+        self.fleet: EngineFleet | None = None
+        self.monitor: HealthMonitor | None = None
+        self.weight_version: str | None = None  # None: the engines hold the HF checkpoint they started with
+        self.offloaded: list[str] = []  # engines whose memory was released by `offload`
+        self._restarts_reported = 0
         self.args: Any = None
         self.data_source: Any = None
         self.rollout_fn: Any = None
+
+    @property
+    def router(self) -> Any:
+        return None if self.fleet is None else self.fleet.router
 
     def start(self) -> dict[str, Any]:
         """Launch engines and router, build args, data source and rollout function; the URLs."""
         from transformers import AutoTokenizer
 
         from slime.data.source import RolloutDataSource
-        from slime.engines.router import SGLangRouter
         from slime.rollout import load_rollout_function, rollout_args
 
         c = self.config
@@ -86,42 +87,98 @@ class RolloutManager:
             raise ConfigError("the placement has no engine (rollout_num_gpus 0): the rollout manager needs one")
         t0 = time.monotonic()
         try:
-            for i, devices in enumerate(self.engine_devices):
-                self.engines.append(self._start_engine(i, devices))
-            self.router = SGLangRouter(host=c.engine.sglang_router_ip, port=c.engine.sglang_router_port,
-                                       worker_urls=[url for _, url in self.engines], router_args=c.router,
-                                       log_path=self.log_dir / "router.log")
-            self.router.start()
-            self.router.wait_workers_healthy(len(self.engines), timeout_s=120)
+            self.fleet = EngineFleet(c, c.checkpoint.hf_checkpoint, self.log_dir, self.engine_devices).start()
+            self.args = rollout_args(c, self.router)
+            tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
+            self.data_source = RolloutDataSource.from_config(c, tokenizer)
+            self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
         except BaseException:
             self.dispose()
             raise
-        self.args = rollout_args(c, self.router)
-        tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
-        self.data_source = RolloutDataSource.from_config(c, tokenizer)
-        self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
-        logger.info("rollout manager: %d %s engines behind %s in %.1f s", len(self.engines), c.engine.engine,
+        if c.engine.use_fault_tolerance:
+            self.monitor = self._health_monitor()
+            self.monitor.start()
+        logger.info("rollout manager: %d %s engines behind %s in %.1f s", len(self.engine_devices), c.engine.engine,
                     self.router.url, time.monotonic() - t0)
         return {"router_url": self.router.url, "worker_urls": self.worker_urls(),
                 "start_time": time.monotonic() - t0}
 
-    def _start_engine(self, index: int, devices: list[int]) -> tuple[Any, str]:
-        from slime.engines.builtin.launcher import start_builtin_engine
-        from slime.engines.sglang_server import SGLangEngine
-
-        c = self.config
-        log = self.log_dir / f"engine{index}.log"
-        if c.engine.engine == "sglang":
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
-            engine = SGLangEngine(c.checkpoint.hf_checkpoint, sglang_args=c.sglang, log_path=log, env=env).start()
-            return engine, engine.url
-        with _visible_devices(devices):
-            process, url = start_builtin_engine(c.checkpoint.hf_checkpoint, log_path=log,
-                                                random_seed=c.run.seed + index)
-        return process, url
-
     def worker_urls(self) -> list[str]:
-        return [url for _, url in self.engines]
+        """URLs of the engines the router serves from."""
+        return self.fleet.urls() if self.fleet is not None else []
+
+    def engines(self) -> list[dict[str, Any]]:
+        """Per engine: index, url, pid, state, restarts, devices."""
+        return self.fleet.info() if self.fleet is not None else []
+
+    # ------------------------------------------------------------------------- fault tolerance
+
+    def _health_monitor(self) -> HealthMonitor:
+        e, fleet = self.config.engine, self.fleet
+        return HealthMonitor(lambda: {s.index: s.url for s in fleet.slots if s.state in (*LIVE, "down")},
+                             self._recover, fleet.retire, interval_s=e.rollout_health_check_interval,
+                             timeout_s=e.rollout_health_check_timeout, first_wait_s=e.rollout_health_check_first_wait,
+                             failure_threshold=e.rollout_health_check_failures,
+                             max_restarts=e.rollout_max_engine_restarts)
+
+    def _recover(self, index: int) -> None:
+        """Health monitor thread: restart engine `index` and bring it to the fleet's weights if that can
+        be done here; otherwise it waits (unregistered) for the trainer's next sync."""
+        url = self.fleet.restart(index)
+        if self.weight_version is None:  # never synced: the new process loaded the same HF checkpoint
+            self.fleet.register(index)
+            return
+        path = self._disk_weights(self.weight_version)
+        if path is None:
+            logger.info("engine %d (%s) waits for the next weight sync (version after %s)", index, url,
+                        self.weight_version)
+            return
+        with httpx.Client(timeout=self.config.sync.weight_sync_timeout_s, trust_env=False) as http:
+            answer = http.post(f"{url}/update_weights_from_disk",
+                               json={"model_path": str(path), "weight_version": self.weight_version})
+            reported = http.get(f"{url}/model_info").json().get("weight_version")
+        if answer.status_code != 200 or reported != self.weight_version:
+            logger.warning("engine %d: loading %s failed (HTTP %d: %s; reports version %r): it waits for the next "
+                           "weight sync", index, path, answer.status_code, answer.text[:300], reported)
+            return
+        self.fleet.register(index)
+
+    def _disk_weights(self, version: str) -> Path | None:
+        """The HF directory disk-mode sync wrote for `version`, when sync.update_weight_disk_dir names it."""
+        from slime.sync.syncer import resolve_mode
+
+        s = self.config.sync
+        if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.colocate) != "disk":
+            return None
+        path = Path(s.update_weight_disk_dir) / f"weight_version_{version}"
+        return path if (path / "config.json").is_file() else None
+
+    def begin_weight_update(self) -> list[str]:
+        """Before a weight sync: pause health checks (a restart in progress finishes first); the URLs to
+        sync, restarted engines awaiting weights included."""
+        if self.monitor is not None:
+            self.monitor.pause()
+        return self.fleet.urls(LIVE)
+
+    def end_weight_update(self, version: str | None) -> dict[str, Any]:
+        """After a weight sync to `version` (None: it failed): restarted engines that report `version`
+        serve again; health checks resume."""
+        registered = 0
+        if version is not None:
+            self.weight_version = str(version)
+            waiting = [s for s in self.fleet.slots if s.state == "awaiting_sync"]
+            with httpx.Client(timeout=30.0, trust_env=False) as http:
+                for slot in waiting:
+                    reported = http.get(f"{slot.url}/model_info").json().get("weight_version")
+                    if reported != self.weight_version:
+                        logger.warning("engine %d (%s) reports weight_version %r after the sync to %r: not "
+                                       "registered", slot.index, slot.url, reported, self.weight_version)
+                        continue
+                    self.fleet.register(slot.index)
+                    registered += 1
+        if self.monitor is not None:
+            self.monitor.resume()
+        return {"rollout/engines_reregistered": registered}
 
     # ------------------------------------------------------------------------- rollout
 
@@ -130,16 +187,28 @@ class RolloutManager:
         from slime.rollout.store import write_rollout
 
         t0 = time.monotonic()
+        self._check_serving()
         out = self.rollout_fn(self.args, rollout_id, self.data_source)
         metrics = dict(out.metrics)
         uri = metrics.get("rollout/uri") or write_rollout(self.args, rollout_id, out.samples, [], _scalars(metrics))
         metrics["rollout/uri"] = uri
         metrics["perf/rollout_time"] = time.monotonic() - t0
+        restarts = self.fleet.restarts
+        metrics["rollout/engine_restarts"] = restarts - self._restarts_reported  # since the last step's
+        self._restarts_reported = restarts
+        metrics["rollout/engines_serving"] = len(self.worker_urls())
         return uri, _scalars(metrics)
+
+    def _check_serving(self) -> None:
+        if not self.worker_urls():
+            states = ", ".join(f"{e['index']}: {e['state']}" for e in self.engines())
+            raise EngineError(f"no engine is serving (engine states: {states}); see the engine logs in "
+                              f"{self.log_dir}")
 
     def eval(self, rollout_id: int) -> dict[str, Any]:
         """Evaluate on the eval datasets (`eval.*`); the metrics (the store holds the samples)."""
         t0 = time.monotonic()
+        self._check_serving()
         out = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=True)
         metrics = _scalars(dict(out.metrics))
         metrics["perf/eval_time"] = time.monotonic() - t0
@@ -155,33 +224,40 @@ class RolloutManager:
 
     # ------------------------------------------------------------------------- memory, shutdown
 
-    def _broadcast(self, path: str) -> dict[str, Any]:
+    def _broadcast(self, urls: list[str], path: str) -> dict[str, Any]:
         from slime.engines.client import EngineClient
         from slime.engines.router import broadcast_to_workers
 
         async def send() -> dict[str, Any]:
             async with EngineClient() as client:
-                return await broadcast_to_workers(client, self.worker_urls(), path, {})
+                return await broadcast_to_workers(client, urls, path, {})
 
         return asyncio.run(send())
 
     def offload(self) -> dict[str, Any]:
-        """Release every engine's memory (weights and KV cache) while the trainer runs."""
+        """Release every engine's memory (weights and KV cache) while the trainer runs; health checks pause."""
         t0 = time.monotonic()
-        self._broadcast("/release_memory_occupation")
+        if self.monitor is not None:
+            self.monitor.pause()
+        self.offloaded = self.fleet.urls(LIVE)
+        self._broadcast(self.offloaded, "/release_memory_occupation")
         return {"perf/offload_rollout_time": time.monotonic() - t0}
 
     def onload(self) -> dict[str, Any]:
-        """Resume every engine's memory after `offload`."""
+        """Resume the memory of the engines `offload` released; health checks resume."""
         t0 = time.monotonic()
-        self._broadcast("/resume_memory_occupation")
+        if self.offloaded:
+            self._broadcast(self.offloaded, "/resume_memory_occupation")
+        self.offloaded = []
+        if self.monitor is not None:
+            self.monitor.resume()
         return {"perf/onload_rollout_time": time.monotonic() - t0}
 
     def dispose(self) -> None:
-        """Stop the router and every engine this actor started (idempotent)."""
-        if self.router is not None:
-            self.router.stop()
-            self.router = None
-        for engine, _ in reversed(self.engines):
-            engine.stop()
-        self.engines = []
+        """Stop the health monitor, the router and every engine this actor started (idempotent)."""
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None

@@ -244,7 +244,18 @@ class RLLoop:
                 "sync_s": metrics.get("sync/total_s", 0.0)}
 
     def _update_weights(self, version: int) -> dict[str, Any]:
-        metrics = self.train_group.update_weights(self.worker_urls, str(version))
+        """Sync every live engine (restarted ones awaiting weights included: fault tolerance); the rollout
+        manager then lets those that report `version` serve again."""
+        import ray
+
+        self.worker_urls = ray.get(self.manager.begin_weight_update.remote())
+        try:
+            metrics = self.train_group.update_weights(self.worker_urls, str(version))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.get(self.manager.end_weight_update.remote(None))
+            raise
+        metrics.update(ray.get(self.manager.end_weight_update.remote(str(version))))
         self.weight_version = version
         return metrics
 

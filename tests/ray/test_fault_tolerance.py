@@ -1,0 +1,202 @@
+"""Engine fault tolerance (`engine.use_fault_tolerance`): the health monitor's decisions, and a rollout
+manager (run in this process: no Ray needed for its engines) whose engine 1 is SIGKILLed, in file order:
+mid-rollout (the step completes; the engine comes back on a new port and serves again after the next
+weight sync), while idle with disk-mode weights at hand (re-synced by the manager itself), and once more
+past the restart limit (it stays down; rollouts go on with engine 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from rl_setup import rl_config
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from slime.config import SyncConfig, load_config
+from slime.engines.health import FailureTracker
+from slime.errors import ConfigError
+from slime.ray.rollout_manager import RolloutManager
+from slime.storage import read_samples
+from slime.sync import WeightSyncer
+from slime.types import Status
+
+BATCH, GROUP, INTERVAL_S = 4, 4, 0.5
+
+
+def test_failure_tracker_restarts_after_the_threshold_and_gives_up_past_the_limit():
+    tracker = FailureTracker(failure_threshold=2, max_restarts=1)
+    assert [tracker.record(0, ok) for ok in (False, True, False)] == ["wait", "ok", "wait"]
+    assert tracker.record(0, False) == "restart"  # two failures in a row
+    assert tracker.record(1, False) == "wait"  # engines are counted apart
+    assert [tracker.record(0, False) for _ in range(2)] == ["wait", "give_up"]  # one restart allowed
+    with pytest.raises(ValueError, match="failure_threshold"):
+        FailureTracker(failure_threshold=0, max_restarts=1)
+
+
+def test_fault_tolerance_settings_are_validated():
+    config = load_config(None, ["--use-fault-tolerance", "--rollout-health-check-failures", "3"])
+    assert config.engine.use_fault_tolerance and config.engine.rollout_health_check_failures == 3
+    with pytest.raises(ConfigError, match="rollout-health-check-interval"):
+        load_config(None, ["--rollout-health-check-interval", "0"])
+
+
+# ----------------------------------------------------------------------------- a manager with a dying engine
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ft-weights")
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_kit, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    config = rl_config(tiny_kit, root, "ft", actor_num_gpus_per_node=1, rollout_num_gpus=2)
+    config.rollout.rollout_batch_size, config.rollout.n_samples_per_prompt = BATCH, GROUP
+    config.rollout.rollout_max_response_len, config.rollout.sglang_server_concurrency = 48, 2
+    config.engine.use_fault_tolerance = True
+    config.engine.rollout_health_check_interval = INTERVAL_S
+    config.engine.rollout_health_check_timeout = 10.0
+    config.engine.rollout_max_engine_restarts = 2
+    config.sync.weight_sync_mode = "disk"  # update_weight_disk_dir unset: re-synced by the next sync
+    mgr = RolloutManager(config.model_dump(mode="json"), [[], []], str(root / "logs"))
+    try:
+        mgr.start()
+        yield mgr
+    finally:
+        pids = [e["pid"] for e in mgr.engines()]
+        mgr.dispose()
+        assert not any(_alive(pid) for pid in pids if pid)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_kit, weights_dir):
+    """The trainer's side: weights unlike the HF checkpoint (MLPs doubled), synced in disk mode."""
+    weights = {name: t * 2 if "mlp" in name else t for name, t in
+               load_file(str(Path(tiny_kit.model_dir) / "model.safetensors")).items()}
+    syncer = WeightSyncer(SyncConfig(weight_sync_mode="disk", update_weight_disk_dir=str(weights_dir)),
+                          hf_config=AutoConfig.from_pretrained(tiny_kit.model_dir))
+
+    def sync(mgr: RolloutManager, version: str) -> tuple[list[str], dict]:
+        """What RLLoop._update_weights does around the trainer's sync."""
+        urls = mgr.begin_weight_update()
+        asyncio.run(syncer.sync(urls, lambda: iter(weights.items()), version))
+        return urls, mgr.end_weight_update(version)
+
+    return sync
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_state(mgr: RolloutManager, index: int, state: str, restarts: int, timeout_s: float = 180.0) -> dict:
+    """Engine `index`'s info once it is in `state` after `restarts` restarts."""
+    deadline = time.monotonic() + timeout_s
+    while (engine := mgr.engines()[index])["state"] != state or engine["restarts"] != restarts:
+        assert time.monotonic() < deadline, f"engine {index} still {engine}"
+        time.sleep(0.2)
+    return engine
+
+
+def _get(url: str) -> dict:
+    with httpx.Client(timeout=30, trust_env=False) as http:
+        return http.get(url).json()
+
+
+def _generated_tokens(url: str) -> int:
+    return _get(f"{url}/server_info")["internal_states"][0]["generated_tokens"]
+
+
+def _greedy(url: str) -> tuple[list[int], list[float]]:
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+            "return_logprob": True}
+    with httpx.Client(timeout=60, trust_env=False) as http:
+        meta = http.post(f"{url}/generate", json=body).json()["meta_info"]
+    return [p[1] for p in meta["output_token_logprobs"]], [p[0] for p in meta["output_token_logprobs"]]
+
+
+def _kill_when_busy(url: str, pid: int) -> threading.Thread:
+    """SIGKILL `pid` as soon as the engine at `url` holds a request (a thread; join it)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 120
+        while _get(f"{url}/get_load")[0]["num_reqs"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_engine_killed_mid_rollout_comes_back_after_the_next_sync(manager, policy):
+    assert policy(manager, "1")[1] == {"rollout/engines_reregistered": 0}
+    before = manager.engines()
+    assert [e["state"] for e in before] == ["serving", "serving"]
+    killer = _kill_when_busy(before[1]["url"], before[1]["pid"])
+    uri, step0 = manager.generate(0)
+    killer.join(timeout=5)
+    assert not killer.is_alive() and not _alive(before[1]["pid"])
+
+    # the step completed on the surviving engine: every sample, none failed
+    samples = read_samples(uri)
+    assert len(samples) == BATCH * GROUP and step0["rollout/groups/failed"] == 0
+    assert all(s.status is not Status.FAILED and s.weight_versions[-1] == "1" for s in samples)
+
+    # restarted on a fresh port, but held out of the router until it has the fleet's weights
+    restarted = _wait_state(manager, 1, "awaiting_sync", restarts=1)
+    assert restarted["pid"] != before[1]["pid"] and restarted["url"] != before[1]["url"]
+    assert _get(f"{restarted['url']}/model_info")["weight_version"] == "default"
+    assert manager.worker_urls() == [before[0]["url"]] == manager.router.worker_urls()
+
+    urls, result = policy(manager, "2")  # the trainer's next sync includes it
+    assert urls == [before[0]["url"], restarted["url"]] and result == {"rollout/engines_reregistered": 1}
+    assert [e["state"] for e in manager.engines()] == ["serving", "serving"]
+    assert sorted(manager.router.worker_urls(healthy_only=True)) == sorted(urls)
+    assert [_get(f"{u}/model_info")["weight_version"] for u in urls] == ["2", "2"]
+    assert _greedy(urls[1]) == _greedy(urls[0])  # the same weights, not the HF checkpoint it started from
+
+    # the next step uses both engines: each one's own generated-token counter grows by far more than
+    # the one token per health check it also generates while idle
+    tokens = [_generated_tokens(u) for u in urls]
+    t0 = time.monotonic()
+    uri, step1 = manager.generate(1)
+    probes = (time.monotonic() - t0) / INTERVAL_S + 2
+    grown = [_generated_tokens(u) - n for u, n in zip(urls, tokens, strict=True)]
+    assert all(g > probes + 10 for g in grown), (grown, probes)
+    assert len(read_samples(uri)) == BATCH * GROUP and step1["rollout/engines_serving"] == 2
+    assert step0["rollout/engine_restarts"] + step1["rollout/engine_restarts"] == 1
+
+
+def test_engine_killed_while_idle_is_resynced_from_disk_weights(manager, weights_dir):
+    manager.config.sync.update_weight_disk_dir = str(weights_dir)  # the disk sync's directory: version 2 is there
+    before = manager.engines()[1]
+    os.kill(before["pid"], signal.SIGKILL)
+    engine = _wait_state(manager, 1, "serving", restarts=2)
+    assert engine["url"] != before["url"] and engine["pid"] != before["pid"]
+    assert _get(f"{engine['url']}/model_info")["weight_version"] == "2"
+    assert _greedy(engine["url"]) == _greedy(manager.engines()[0]["url"])
+    assert sorted(manager.router.worker_urls(healthy_only=True)) == sorted(e["url"] for e in manager.engines())
+
+
+def test_engine_past_the_restart_limit_stays_down(manager):
+    before = manager.engines()[1]
+    os.kill(before["pid"], signal.SIGKILL)
+    _wait_state(manager, 1, "failed", restarts=2, timeout_s=60)
+    assert manager.router.worker_urls() == [manager.engines()[0]["url"]] and not _alive(before["pid"])
+    uri, metrics = manager.generate(2)
+    assert len(read_samples(uri)) == BATCH * GROUP and metrics["rollout/engines_serving"] == 1
