@@ -136,12 +136,11 @@ class RolloutManager:
         with httpx.Client(timeout=self.config.sync.weight_sync_timeout_s, trust_env=False) as http:
             answer = http.post(f"{url}/update_weights_from_disk",
                                json={"model_path": str(path), "weight_version": self.weight_version})
-            reported = http.get(f"{url}/model_info").json().get("weight_version")
-        if answer.status_code != 200 or reported != self.weight_version:
-            logger.warning("engine %d: loading %s failed (HTTP %d: %s; reports version %r): it waits for the next "
-                           "weight sync", index, path, answer.status_code, answer.text[:300], reported)
+        if answer.status_code != 200:
+            logger.warning("engine %d: loading %s failed (HTTP %d: %s): it waits for the next weight sync", index,
+                           path, answer.status_code, answer.text[:300])
             return
-        self.fleet.register(index)
+        self._register_if_current(index, url)
 
     def _disk_weights(self, version: str) -> Path | None:
         """The HF directory disk-mode sync wrote for `version`, when sync.update_weight_disk_dir names it."""
@@ -164,21 +163,31 @@ class RolloutManager:
         """After a weight sync to `version` (None: it failed): restarted engines that report `version`
         serve again; health checks resume."""
         registered = 0
-        if version is not None:
-            self.weight_version = str(version)
-            waiting = [s for s in self.fleet.slots if s.state == "awaiting_sync"]
-            with httpx.Client(timeout=30.0, trust_env=False) as http:
-                for slot in waiting:
-                    reported = http.get(f"{slot.url}/model_info").json().get("weight_version")
-                    if reported != self.weight_version:
-                        logger.warning("engine %d (%s) reports weight_version %r after the sync to %r: not "
-                                       "registered", slot.index, slot.url, reported, self.weight_version)
-                        continue
-                    self.fleet.register(slot.index)
-                    registered += 1
-        if self.monitor is not None:
-            self.monitor.resume()
+        try:
+            if version is not None:
+                self.weight_version = str(version)
+                for slot in [s for s in self.fleet.slots if s.state == "awaiting_sync"]:
+                    registered += self._register_if_current(slot.index, slot.url)
+        finally:
+            if self.monitor is not None:
+                self.monitor.resume()
         return {"rollout/engines_reregistered": registered}
+
+    def _register_if_current(self, index: int, url: str) -> bool:
+        """Register engine `index` when it reports the fleet's weight version (else it keeps waiting)."""
+        try:
+            with httpx.Client(timeout=30.0, trust_env=False) as http:
+                reported = http.get(f"{url}/model_info").json().get("weight_version")
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("engine %d (%s): cannot read its weight version (%s); the health monitor will see to "
+                           "it", index, url, exc)
+            return False
+        if reported != self.weight_version:
+            logger.warning("engine %d (%s) reports weight_version %r, the fleet is at %r: not registered", index,
+                           url, reported, self.weight_version)
+            return False
+        self.fleet.register(index)
+        return True
 
     # ------------------------------------------------------------------------- rollout
 

@@ -60,7 +60,7 @@ def manager(tiny_kit, tmp_path_factory):
     root = tmp_path_factory.mktemp("ft")
     config = rl_config(tiny_kit, root, "ft", actor_num_gpus_per_node=1, rollout_num_gpus=2)
     config.rollout.rollout_batch_size, config.rollout.n_samples_per_prompt = BATCH, GROUP
-    config.rollout.rollout_max_response_len, config.rollout.sglang_server_concurrency = 48, 2
+    config.rollout.rollout_max_response_len, config.rollout.sglang_server_concurrency = 48, 4
     config.engine.use_fault_tolerance = True
     config.engine.rollout_health_check_interval = INTERVAL_S
     config.engine.rollout_health_check_timeout = 10.0
@@ -198,5 +198,58 @@ def test_engine_past_the_restart_limit_stays_down(manager):
     os.kill(before["pid"], signal.SIGKILL)
     _wait_state(manager, 1, "failed", restarts=2, timeout_s=60)
     assert manager.router.worker_urls() == [manager.engines()[0]["url"]] and not _alive(before["pid"])
+    manager.args.rollout_max_response_len = 8  # only that the step runs on one engine matters here
     uri, metrics = manager.generate(2)
     assert len(read_samples(uri)) == BATCH * GROUP and metrics["rollout/engines_serving"] == 1
+
+
+# ----------------------------------------------------------------------------- the whole RL loop
+
+
+@pytest.mark.slow
+def test_rl_loop_step_survives_an_engine_kill_and_the_next_step_uses_both(tiny_kit, tmp_path):
+    """Kill one engine mid-rollout in `RLLoop` (Ray, a Megatron rank, distributed sync over gloo): the
+    step completes, the engine comes back, the loop's sync gives it the trainer's weights (a new
+    weight-sync group: its URL changed) and the next step generates on both, matching the trainer."""
+    import ray
+
+    from slime.rl import RLLoop
+
+    config = rl_config(tiny_kit, tmp_path, "ft-loop", actor_num_gpus_per_node=1, rollout_num_gpus=2)
+    config.rollout.rollout_batch_size, config.rollout.n_samples_per_prompt = BATCH, GROUP
+    config.rollout.rollout_max_response_len, config.rollout.sglang_server_concurrency = 48, 4
+    config.rollout.num_rollout = 2
+    config.train.global_batch_size = BATCH * GROUP
+    config.engine.use_fault_tolerance = True
+    config.engine.rollout_health_check_interval = INTERVAL_S
+    loop = RLLoop(config, num_gpus=0)
+    try:
+        loop.setup()
+        before = ray.get(loop.manager.engines.remote())
+        killer = _kill_when_busy(before[1]["url"], before[1]["pid"])
+        uri = loop.rollout(0)["uri"]
+        killer.join(timeout=5)
+        assert not killer.is_alive() and not _alive(before[1]["pid"])
+        assert len(read_samples(uri)) == BATCH * GROUP
+        loop.train(0, uri)
+        deadline = time.monotonic() + 180
+        while (engine := ray.get(loop.manager.engines.remote())[1])["state"] != "awaiting_sync":
+            assert time.monotonic() < deadline, engine
+            time.sleep(0.5)
+        assert loop.sync(0)["weight_version"] == 1
+        engines = ray.get(loop.manager.engines.remote())
+        assert [e["state"] for e in engines] == ["serving", "serving"] and engines[1]["url"] != before[1]["url"]
+        urls = [e["url"] for e in engines]
+        assert [_get(f"{u}/model_info")["weight_version"] for u in urls] == ["1", "1"]
+        step0 = loop.log_step(0)
+
+        tokens = [_generated_tokens(u) for u in urls]
+        rollout = loop.rollout(1)
+        assert all(_generated_tokens(u) - n > 20 for u, n in zip(urls, tokens, strict=True))
+        loop.train(1, rollout["uri"])
+        step1 = loop.log_step(1)
+        assert step0["rollout/engine_restarts"] + step1["rollout/engine_restarts"] == 1
+        assert step1["rollout/engines_serving"] == 2 and step0["rollout/engines_reregistered"] == 1
+        assert step1["rl/logprob_abs_diff"] < 1e-4  # both engines sampled with the trainer's weights
+    finally:
+        loop.close()
