@@ -29,7 +29,7 @@ from typing import Any
 
 from slime.config import Config
 from slime.errors import ConfigError
-from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable
+from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
 from slime.storage import ArtifactStore
 from slime.storage.fs import is_local, open_fs
@@ -136,6 +136,7 @@ class RLLoop:
         self.num_rollout = self._resolve_num_rollout()
         self.train_group = TrainGroup(c, self.placement)
         self.start_rollout_id = self.train_group.init()
+        extra: dict[str, Any] = {}
         if self.start_rollout_id > 0:
             extra = self.train_group.extra_state()
             if "data_source" in extra:
@@ -143,7 +144,11 @@ class RLLoop:
             else:
                 logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
                                "start from the beginning of the data", self.start_rollout_id)
-        moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id)  # outputs to redo
+        # the checkpoint's own step died between its save and its metrics line: finish it below
+        tail = self.start_rollout_id - 1 if self.start_rollout_id > 0 and self.start_rollout_id - 1 not in \
+            read_metrics(self.metrics_uri, self.store.storage_options) else None
+        moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
+                                      redo_start_eval=tail is not None)
         sync = self._update_weights(self.start_rollout_id)  # engines start from the HF weights: align them
         if self.offload_train:
             self.train_group.offload()
@@ -152,6 +157,8 @@ class RLLoop:
             tensorboard = c.run.tensorboard_dir or open_fs(
                 self.store.uri(c.run.run_id, STAGE, "tensorboard"), self.store.storage_options)[1]
         self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard)
+        if tail is not None:
+            self._finish_step(tail, extra.get("step_record"), sync)
         result = {"start_rollout_id": self.start_rollout_id, "num_rollout": self.num_rollout,
                   "resumed": self.start_rollout_id > 0, "stale_outputs_moved": len(moved),
                   "router_url": started["router_url"], "worker_urls": self.worker_urls,
@@ -160,6 +167,20 @@ class RLLoop:
         logger.info("rl set up in %.1f s: rollouts %d..%d, %s", result["setup_s"], self.start_rollout_id,
                     self.num_rollout - 1, "async (one-step-off)" if c.sync.async_mode else "sync")
         return result
+
+    def _finish_step(self, rollout_id: int, record: dict[str, Any] | None, sync: dict[str, Any]) -> None:
+        """Finish step `rollout_id`, whose checkpoint was committed but whose run died before its metrics
+        line: its eval (when due) on the checkpoint's weights, just synced, and the line, from the rollout
+        and train metrics saved with the checkpoint. So no step of a resumed run is missing from the log."""
+        if record is None:
+            logger.warning("checkpoint of rollout %d has no step record (older format): its metrics line and eval "
+                           "are not recovered", rollout_id)
+            return
+        logger.info("resumed after checkpoint %d, whose step was cut short: finishing its eval and metrics line",
+                    rollout_id)
+        self._steps[rollout_id] = {**record, **sync}
+        self.maybe_eval(rollout_id)
+        self.log_step(rollout_id)
 
     def _resolve_num_rollout(self) -> int:
         """`num_rollout`, or slime's `len(prompts) // rollout_batch_size * num_epoch`; written into the
@@ -293,8 +314,10 @@ class RLLoop:
         t0 = time.monotonic()
         state = ray.get(self._states[rollout_id])
         # weight_version: of the saved weights (trained through this rollout), what a resumed run syncs
+        # step_record: the step's rollout and train metrics, for a resume that must write its line
         extra = {"rollout_id": rollout_id, "data_source": state, "weight_version": rollout_id + 1,
-                 "partial_rollout_buffer_groups": len(state.get("buffer", []))}
+                 "partial_rollout_buffer_groups": len(state.get("buffer", [])),
+                 "step_record": jsonable(self._step(rollout_id))}
         self.last_checkpoint = self.train_group.save(rollout_id, extra)
         for old in [i for i in self._states if i < rollout_id]:
             del self._states[old]

@@ -10,6 +10,7 @@ sample is one continuous response.
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -52,6 +53,19 @@ def sampling_params_from_args(args: Any, *, evaluation: bool = False) -> dict[st
         "spaces_between_special_tokens": False,
     }
     return {k: v for k, v in params.items() if v is not None}
+
+
+def sample_seed(args: Any, sample: Sample, *, evaluation: bool = False) -> int | None:
+    """The `sampling_seed` of `sample`'s generate call, from `rollout_seed` and the sample's own ids
+    (None for a sample without an index). Engines seed each request from it, so a sample's tokens do not
+    depend on which engine serves it, in what order requests arrive, or whether the engines were restarted
+    by a resume: a resumed run regenerates exactly what an uninterrupted one would. A continued partial
+    sample (response_length > 0) gets a fresh seed. 63 bits: SGLang keeps it in an int64 tensor."""
+    if sample.index is None:
+        return None
+    key = f"{getattr(args, 'rollout_seed', 0)}:{'eval' if evaluation else 'rollout'}:{sample.group_index}:" \
+          f"{sample.index}:{sample.response_length}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from slime.errors import EngineError
-from slime.rollout.generate import tokenizer_of, truncate_response
+from slime.rollout.generate import sample_seed, tokenizer_of, truncate_response
 from slime.rollout.hooks import RolloutPlugins, accepts_evaluation, load_generate_function
 from slime.rollout.http import abort_all, engine_client, running_requests
 from slime.rollout.outputs import flatten
@@ -67,11 +67,15 @@ class GenerateState:
             fn = load_generate_function(sample.generate_function_path) if sample.generate_function_path \
                 else self.plugins.generate
             before = sample.response_length
+            params = dict(sampling_params)
+            if "sampling_seed" not in params and (seed := sample_seed(args, sample, evaluation=self.evaluation)) \
+                    is not None:
+                params["sampling_seed"] = seed  # reproducible across engines, arrival order and resumes
             try:
                 if accepts_evaluation(fn):
-                    result = await fn(args, sample, dict(sampling_params), evaluation=self.evaluation)
+                    result = await fn(args, sample, params, evaluation=self.evaluation)
                 else:
-                    result = await fn(args, sample, dict(sampling_params))
+                    result = await fn(args, sample, params)
             except Exception as exc:  # engine error or plugin bug: this sample fails, the rollout goes on
                 logger.debug("generate failed for sample %s", sample.index, exc_info=True)
                 sample.status = Status.FAILED
