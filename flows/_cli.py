@@ -37,31 +37,39 @@ def parse(prog: str, description: str, argv: list[str] | None, takes_model: bool
     return params
 
 
-def ui_hint() -> str:
-    """How to see this run in the Prefect UI."""
+def ui_hint(flow_run_id: str | None = None) -> str:
+    """How to see this run (its flow run page when the id is known) in the Prefect UI."""
+    page = f"runs/flow-run/{flow_run_id}" if flow_run_id else "runs"
     api = PREFECT_API_URL.value()
     if api:
-        return f"the run is recorded by the Prefect server at {api} (UI: {api.removesuffix('/api')})"
+        return f"Prefect UI for this run: {api.removesuffix('/api')}/{page}"
     home = PREFECT_HOME.value()
-    return (f"the run is recorded in {home}/prefect.db; to browse it: PREFECT_HOME={home} "
-            ".venv/bin/prefect server start --host 127.0.0.1 --port 4200, then open http://127.0.0.1:4200/runs")
+    return (f"Prefect UI for this run: PREFECT_HOME={home} .venv/bin/prefect server start --host 127.0.0.1 "
+            f"--port 4200, then open http://127.0.0.1:4200/{page}")
 
 
 def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
          describe: Callable[[Any], str] | None = None) -> int:
-    """Run `flow` with parameters from `argv`; print its result (and `describe(result)`); 2 on a slime error."""
+    """Run `flow` with parameters from `argv`; print its JSON result, or `describe(result)` when given (the
+    JSON then only with --json); 2 on a slime error."""
     for name in ("slime", "tasks"):  # their INFO lines (checkpoint commits, SFT losses) belong in the run log
         logging.getLogger(name).setLevel(logging.INFO)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = describe is None or "--json" in argv
+    argv = [a for a in argv if a != "--json"]
     params = parse(f"python -m flows.{flow.fn.__module__.rsplit('.', 1)[-1]}", flow.description or flow.name, argv,
                    takes_model)
+    state = flow(**params, return_state=True)
+    flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
     try:
-        result = flow(**params)
+        result = state.result()  # the flow's own exception, re-raised
     except SlimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        print(ui_hint(), file=sys.stderr)
+        print(ui_hint(flow_run_id), file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1, sort_keys=True))
+    if as_json:
+        print(json.dumps(result, indent=1, sort_keys=True))
     if describe is not None:
         print(describe(result))
-    print(ui_hint())
+    print(ui_hint(flow_run_id))
     return 0

@@ -58,8 +58,9 @@ def pipeline(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, s
             results["rl"] = rl_flow(**common, model=sft_checkpoint)
             final = checkpoint_of(results["rl"])
         if "evaluate" not in skip:
-            results["evaluate"] = evaluate_flow(**common, model=final,
-                                                compare=[sft_checkpoint] if final != sft_checkpoint else None)
+            # the untrained (converted) model and SFT as well, for accuracy stage over stage
+            earlier = [checkpoint_of(results["convert"]), *([sft_checkpoint] if final != sft_checkpoint else [])]
+            results["evaluate"] = evaluate_flow(**common, model=final, compare=earlier)
         results["export"] = export_flow(**common, model=final)
     finally:
         publish_pipeline_table(run_id, stage_rows(results, skip))
@@ -86,26 +87,35 @@ def stage_rows(results: dict[str, dict[str, Any]], skip: list[str] | None = None
 
 
 def describe(results: dict[str, dict[str, Any]]) -> str:
-    """The summary as text: per stage status, time and artifacts; eval accuracy per stage; the export."""
+    """The end-of-run summary: per stage status, time and artifacts; held-out accuracy of the checkpoint each
+    stage produced (untrained, SFT, RL); the RL loop; the exported HF directory."""
+    rows = stage_rows(results)
+    total = sum(r["seconds"] or 0.0 for r in rows)
     lines = [f"{'stage':<19}{'status':<15}{'seconds':>8}  artifact"]
-    for r in stage_rows(results):
+    for r in rows:
         seconds = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
         lines.append(f"{r['stage']:<19}{r['status']:<15}{seconds:>8}  {r['artifact']}")
+    lines.append(f"{'total':<34}{total:>8.1f}")
     if "evaluate" in results:
-        lines += ["", "eval accuracy (mean reward, pass@k) per checkpoint:"]
+        produced_by = {results[s]["artifacts"].get("checkpoint", {}).get("uri"): s
+                       for s in ("convert", "sft", "rl") if s in results}
+        label = {"convert": "untrained (convert)", "sft": "after SFT", "rl": "after RL"}
+        lines += ["", "held-out eval per checkpoint (mean reward; pass@k):"]
         for result in [*results["evaluate"].get("compared", []), results["evaluate"]]:
             metrics = result.get("metrics", {})
+            name = label.get(produced_by.get(metrics.get("checkpoint", "")), "")
             for dataset, figures in metrics.get("datasets", {}).items():
                 shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(figures.items())
                                   if k == "mean_reward" or k.startswith("pass@"))
-                lines.append(f"  {metrics['checkpoint']}  {dataset}: {shown}")
+                lines.append(f"  {name:<20} {dataset}: {shown}   {metrics['checkpoint']}")
     if "rl" in results:
         m = results["rl"]["metrics"]
         lines.append(f"\nrl: iterations {m['start_rollout_id']}..{m['num_rollout'] - 1}, last reward mean "
                      f"{m['reward_mean_last']}, Prefect overhead {m['prefect_s_per_iteration']} s/iteration, "
                      f"metrics {m['metrics_uri']}")
     if "export" in results:
-        lines.append(f"exported HF model: {results['export']['artifacts']['hf_model']['uri']}")
+        lines.append(f"exported HF model: {results['export']['artifacts']['hf_model']['uri']} "
+                     "(transformers.AutoModelForCausalLM.from_pretrained loads it)")
     return "\n".join(lines)
 
 

@@ -49,7 +49,7 @@ def test_pipeline_summary_lists_skipped_stages_eval_accuracy_per_checkpoint_and_
     from flows.pipeline import describe, stage_rows
 
     def stage(uri, **metrics):
-        return {"status": "ran", "artifacts": {"a": {"uri": uri, "manifest_hash": "0" * 64}},
+        return {"status": "ran", "artifacts": {"checkpoint": {"uri": uri, "manifest_hash": "0" * 64}},
                 "seconds": {"x": 1.25}, "metrics": metrics}
 
     sft_eval = stage("/s/ev-sft", checkpoint="/s/sft/iter_1", datasets={"arith": {"mean_reward": 0.25, "pass@1": 0.25}})
@@ -62,7 +62,7 @@ def test_pipeline_summary_lists_skipped_stages_eval_accuracy_per_checkpoint_and_
     assert rows["rl"]["status"] == "skipped" and rows["sft"]["seconds"] == 1.25
     assert stage_rows(results)[3]["status"] == "not completed"
     text = describe(results)
-    assert "/s/sft/iter_1  arith: mean_reward 0.2500, pass@1 0.2500" in text
-    assert "/s/rl/iter_3  arith: mean_reward 0.5000, pass@1 0.5000" in text and "truncated" not in text
-    assert text.index("/s/sft/iter_1  arith") < text.index("/s/rl/iter_3  arith")
+    assert "after SFT            arith: mean_reward 0.2500, pass@1 0.2500   /s/sft/iter_1" in text
+    assert "arith: mean_reward 0.5000, pass@1 0.5000   /s/rl/iter_3" in text and "truncated" not in text
+    assert text.index("after SFT ") < text.index("/s/rl/iter_3")
     assert "exported HF model: /s/hf" in text
