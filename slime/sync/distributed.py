@@ -19,6 +19,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from slime.engines.builtin.weights import on_device  # the group's daemon threads start on cuda:0
 from slime.engines.client import EngineClient
 from slime.engines.process import find_free_port
 from slime.sync.common import (
@@ -38,10 +39,18 @@ GROUP_NAME = "slime_weight_sync"
 SETTLE_S = 30.0  # after an engine failed, how long to let the broadcast to the others finish
 
 
-class _TrainerGroup:
-    """Rank 0's side of the group: its store (the TCPStore server) and process group."""
+def sending_device(backend: str) -> torch.device:
+    """Where rank 0's tensors are broadcast from: the caller's current CUDA device, with its index (NCCL),
+    else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
-    def __init__(self, address: str, port: int, world_size: int, backend: str, timeout: dt.timedelta) -> None:
+
+class _TrainerGroup:
+    """Rank 0's side of the group: its store (the TCPStore server), process group and sending device."""
+
+    def __init__(self, address: str, port: int, world_size: int, backend: str, timeout: dt.timedelta,
+                 device: torch.device | None = None) -> None:
+        self.device = device or sending_device(backend)  # pass the caller's: this may run on a fresh thread
         self.store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
                                    wait_for_workers=False)
         prefixed = dist.PrefixStore(GROUP_NAME, self.store)
@@ -50,13 +59,15 @@ class _TrainerGroup:
         else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, 0, world_size, options)
+            with on_device(self.device):
+                self.group = dist.ProcessGroupNCCL(prefixed, 0, world_size, options)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
-        for tensor in tensors:
-            self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
-        if tensors and tensors[0].is_cuda:
-            torch.cuda.synchronize()
+        with on_device(self.device):
+            for tensor in tensors:
+                self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
 
 class DistributedSync:
@@ -99,7 +110,9 @@ class DistributedSync:
         bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
                    "world_size": world_size, "group_name": GROUP_NAME, "backend": self.backend,
                    "timeout_s": self.timeout.total_seconds()} for i in range(len(urls))]
-        joining = in_thread(lambda: _TrainerGroup(self.master_address, port, world_size, self.backend, self.timeout))
+        device = sending_device(self.backend)  # this thread's device; the group's threads start on cuda:0
+        joining = in_thread(lambda: _TrainerGroup(self.master_address, port, world_size, self.backend, self.timeout,
+                                                  device))
         try:
             # the engines answer once the group has formed, which needs this rank as well
             await post_all(client, urls, "/init_weights_update_group", bodies, phase="connect", state=state)
@@ -114,13 +127,12 @@ class DistributedSync:
 
     async def _send_bucket(self, client: EngineClient, urls: list[str], bucket: list[tuple[str, torch.Tensor]],
                            version: str | None, timer: Timer, state: str) -> None:
-        device = torch.device(f"cuda:{torch.cuda.current_device()}") if self.backend == "nccl" else torch.device("cpu")
+        group = self._group
         with timer("pack"):
-            tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+            tensors = [t.detach().to(group.device).contiguous() for _, t in bucket]
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": GROUP_NAME, "flush_cache": False,
                 "weight_version": version}
-        group = self._group
         with timer("transfer"):
             sending = in_thread(lambda: group.broadcast(tensors))
             try:

@@ -255,8 +255,8 @@ class BuiltinEngine:
         self.scheduler.set_released(True)
         if self.device.type == "cuda":  # the slot cache and its graphs point at the old weights: rebuilt later
             self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(), self.model.to("cpu"))).result()
-            torch.cuda.empty_cache()
-            torch.cuda.empty_cache()
+            with torch.cuda.device(self.device):  # this HTTP worker thread's current device may be another
+                torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         if self.device.type == "cuda":

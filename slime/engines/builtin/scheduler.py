@@ -256,6 +256,8 @@ class Scheduler:
         return ids
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # per thread; new threads start on cuda:0 (events, graph capture streams)
+            torch.cuda.set_device(self.device)
         while not self._stopping:
             self._run_commands()
             while True:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import datetime as dt
 import io
 import logging
@@ -57,6 +58,13 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
 DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as this thread's current CUDA device (a no-op on CPU). HTTP handlers run on worker
+    threads, whose current device is cuda:0 whatever the engine's: NCCL communicators, streams and
+    `synchronize()` follow the current device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class _TensorUnpickler(pickle.Unpickler):
@@ -177,10 +185,10 @@ class WeightUpdater:
         if backend == "gloo":
             group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:
-            torch.cuda.set_device(self.device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            with on_device(self.device):
+                group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         self.groups[group_name] = _Group(store, group, rank, world_size, backend, self.device)
         logger.info("joined weight update group %r as rank %d of %d (%s, master %s:%d)",
                     group_name, rank, world_size, backend, address, port)
@@ -211,13 +219,13 @@ class WeightUpdater:
         # Receive everything the trainer broadcasts even when a tensor does not fit the model: the
         # trainer's broadcast would otherwise wait for this rank until the group times out.
         received = []
-        with self._lock:
+        with self._lock, on_device(group.device):  # the NCCL communicator is created on the first receive
             for name, dtype, shape in specs:
                 buffer = torch.empty(shape, dtype=dtype, device=group.device)
                 group.group.broadcast([buffer], dist.BroadcastOptions()).wait()
                 received.append((name, buffer))
-        if group.device.type == "cuda":
-            torch.cuda.synchronize(group.device)
+            if group.device.type == "cuda":
+                torch.cuda.synchronize(group.device)
         for name, tensor in received:
             self.targets.check(name, tensor.shape, tensor.dtype)
         self._run(lambda: self.targets.copy_in(received))
