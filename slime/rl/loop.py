@@ -7,7 +7,8 @@ Order of one iteration (slime's `train.py`; `train_async.py` with `sync.async_mo
     maybe_eval(id, before_train=True)     only at rollout 0 of a fresh run, unless skip_eval_before_train
     rollout(id)       the shard set URI; async: also launches generate(id+1) before returning
     train(id, uri)    the train group's global metrics
-    maybe_save(id)    every save_interval and at the last rollout: checkpoint + data-source state
+    maybe_save(id)    every save_interval and at the last rollout: checkpoint + data-source state + the
+                      step's record so far (a rerun finishes a step cut after its save: eval, metrics line)
     sync(id)          every update_weights_interval (and before a due eval): weights -> engines,
                       weight_version = id+1; async: waits for the in-flight generate(id+1) first
     maybe_eval(id)    every eval_interval and at the last rollout, on weight version id+1

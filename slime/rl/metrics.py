@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any
 
 from slime.errors import ConfigError
@@ -56,6 +57,38 @@ def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, int | float | str | bool) or value is None:
             out[key] = value
     return out
+
+
+# keys of a step record that measure time or speed, or name outputs of the run: they differ between two
+# runs of the same config and seed, everything else must not
+_RUN_SPECIFIC = re.compile(r"(_s$|_time$|time_s$|per_s$|^time$|^perf/|^sync/|uri$)")
+
+
+# gaps between the trainer's and the engine's log-probs: the engine computes a request's log-probs in
+# whatever batch it shares with others, and fp32 rounding depends on the batch (~1e-7 on CPU)
+ENGINE_ROUNDED = ("rl/logprob_abs_diff", "train/train_rollout_logprob_abs_diff")
+ENGINE_ROUNDED_ATOL = 1e-6
+
+
+def outcome(record: dict[str, Any]) -> dict[str, Any]:
+    """A step record without its timings, sync figures and output URIs: what an interrupted-and-resumed
+    run must reproduce (rewards, losses, KL, grad norm, eval results, token counts)."""
+    return {k: v for k, v in record.items() if not _RUN_SPECIFIC.search(k)}
+
+
+def outcome_differences(record: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """How the outcomes of two step records differ, one line per key ([] when they agree): equal values,
+    except `ENGINE_ROUNDED` keys, within `ENGINE_ROUNDED_ATOL` (the trained weights do not depend on them)."""
+    mine, theirs = outcome(record), outcome(reference)
+    problems = []
+    for key in sorted(mine.keys() | theirs.keys()):
+        a, b = mine.get(key), theirs.get(key)
+        if key in ENGINE_ROUNDED and isinstance(a, float) and isinstance(b, float):
+            if abs(a - b) > ENGINE_ROUNDED_ATOL:
+                problems.append(f"{key}: {a!r} != {b!r} (beyond {ENGINE_ROUNDED_ATOL})")
+        elif a != b or key not in mine or key not in theirs:
+            problems.append(f"{key}: {a!r} != {b!r}")
+    return problems
 
 
 def check_tensorboard(enabled: bool) -> None:

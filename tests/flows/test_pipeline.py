@@ -1,7 +1,9 @@
 """The post-training pipeline on the tiny kit, through a real Prefect API: artifacts land in the
 store layout, a failed stage is where a re-run resumes, completed stages come back Cached without
 calling their stage function, and a corrupt artifact makes its stage (and what follows) run again.
-The first test leaves the optional stages out (`skip`) to stay fast; the slow one runs all six."""
+A failure injected into rejection sampling resumes there (convert and sft Cached, their functions not
+called again). The first tests leave optional stages out (`skip`) to stay fast; the slow one runs all six,
+with a failure injected mid-RL, and ends with the RL metrics of an uninterrupted run of the same seed."""
 
 import shutil
 from pathlib import Path
@@ -10,13 +12,16 @@ import pytest
 from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 
+import slime.rejection_sampling
 import tasks.convert
 import tasks.export
+import tasks.rejection_sampling
 import tasks.sft
 from flows._report import artifact_key
 from flows.export import export_flow
 from flows.pipeline import OPTIONAL, pipeline
 from slime.errors import ConfigError
+from slime.rl.metrics import outcome, outcome_differences, read_metrics
 from slime.storage import ArtifactStore, read_manifest
 from slime.storage.manifest import verify_files
 
@@ -26,8 +31,9 @@ TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
 @pytest.fixture
 def calls(monkeypatch):
     """How often each stage's slime function is called (the real function still runs)."""
-    counts = {"convert": 0, "sft": 0, "export": 0}
+    counts = {"convert": 0, "sft": 0, "rejection_sampling": 0, "export": 0}
     for stage, module, name in (("convert", tasks.convert, "run_convert"), ("sft", tasks.sft, "run_sft"),
+                                ("rejection_sampling", tasks.rejection_sampling, "run_rejection_sampling"),
                                 ("export", tasks.export, "run_export")):
         real = getattr(module, name)
 
@@ -53,7 +59,7 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     # 1. export fails: its origin HF directory is not there yet
     with pytest.raises(ConfigError, match="origin"):
         pipeline(**params)
-    assert calls == {"convert": 1, "sft": 1, "export": 1}
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 0, "export": 1}
     assert layout.committed("t1", "convert") == [] and (store / "t1" / "convert" / "checkpoint").is_dir()
     sft_dir = store / "t1" / "sft" / "checkpoint" / "iter_0000001"
     assert read_manifest(str(sft_dir)).metadata["stage"] == "sft"
@@ -63,7 +69,7 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     state = pipeline(**params, return_state=True)
     results = state.result()
     assert statuses(results) == {"convert": "cached", "sft": "cached", "export": "ran"}
-    assert calls == {"convert": 1, "sft": 1, "export": 2}
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 0, "export": 2}
     hf = results["export"]["artifacts"]["hf_model"]["uri"]
     assert hf == str(store / "t1" / "export" / "hf") and layout.committed("t1", "export") == ["hf"]
     for result in results.values():
@@ -79,7 +85,7 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     assert statuses(pipeline(**params)) == {"convert": "cached", "sft": "cached", "export": "cached"}
     alone = export_flow(params["config"], params["overrides"], params["store"], "t1")
     assert alone["status"] == "cached" and alone["inputs"]["load"] == str(sft_dir)
-    assert calls == {"convert": 1, "sft": 1, "export": 2}
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 0, "export": 2}
 
     # 4. the SFT checkpoint is corrupted on disk: sft runs again, and export after it; convert is reused
     weights = next(p for p in sorted(sft_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"
@@ -87,37 +93,60 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     weights.write_bytes(b"\0" * weights.stat().st_size)
     results = pipeline(**params)
     assert statuses(results) == {"convert": "cached", "sft": "ran", "export": "ran"}
-    assert calls == {"convert": 1, "sft": 2, "export": 3}
+    assert calls == {"convert": 1, "sft": 2, "rejection_sampling": 0, "export": 3}
     assert verify_files(str(sft_dir), read_manifest(str(sft_dir))) == []
     assert len(list(sft_dir.parent.glob("iter_0000001.replaced-*"))) == 1  # the corrupt one, kept aside
 
 
-@pytest.mark.slow
-def test_full_pipeline_resumes_rl_after_a_failure_and_keeps_earlier_stages(prefect_api, tiny_kit, tmp_path, calls,
-                                                                        monkeypatch):
-    from slime.rl import RLLoop
-
+def test_a_failure_in_rejection_sampling_resumes_there_with_convert_and_sft_cached(prefect_api, tiny_kit, tmp_path,
+                                                                                  calls, inject_failure):
     store = tmp_path / "store"
-    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "full", "overrides": [
-        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1",
-        "--prompt-data", str(tiny_kit.train), "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--num-rollout", "2", "--rollout-batch-size", "2",
-        "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
-        "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]}
-    real_train = RLLoop.train
-
-    def failing_train(self, rollout_id, uri):
-        if rollout_id == 1:
-            raise RuntimeError("injected failure in train-0001")
-        return real_train(self, rollout_id, uri)
-
-    monkeypatch.setattr(RLLoop, "train", failing_train)
-    with pytest.raises(RuntimeError, match="injected"):
+    params = {"config": str(TINY_CPU), "store": str(store), "run_id": "rs", "skip": ["rl", "evaluate"],
+              "overrides": ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
+                            "--sft-num-epoch", "1", "--prompt-data", str(tiny_kit.train),
+                            "--rs-prompt-data", f"{tiny_kit.train}@[0:4]"]}
+    # the stage fails mid-way: policy exported, engines up, then the sampling call raises
+    failure = inject_failure(slime.rejection_sampling, "generate_and_score")
+    with pytest.raises(RuntimeError, match="injected failure in generate_and_score"):
         pipeline(**params)
-    monkeypatch.setattr(RLLoop, "train", real_train)
+    assert failure.failures == 1
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 1, "export": 0}
+    assert "accepted" not in ArtifactStore(str(store)).committed("rs", "rejection_sampling")
+
+    failure.armed = False
     results = pipeline(**params)
+    assert statuses(results) == {"convert": "cached", "sft": "cached", "rejection_sampling": "ran", "export": "ran"}
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 2, "export": 1}  # convert, sft not called again
+    assert failure.calls == 2 and failure.failures == 1
+    accepted = results["rejection_sampling"]["artifacts"]["accepted"]["uri"]
+    assert verify_files(accepted, read_manifest(accepted)) == []
+    assert results["rejection_sampling"]["metrics"]["prompts"] == 4
+    assert results["export"]["inputs"]["load"] == results["sft"]["artifacts"]["checkpoint"]["uri"]
+
+
+@pytest.mark.slow
+def test_full_pipeline_resumes_rl_after_a_failure_to_the_uninterrupted_metrics(prefect_api, tiny_kit, tmp_path, calls,
+                                                                              failing_train):
+    params = {"config": str(TINY_CPU), "store": str(tmp_path / "store"), "overrides": [
+        "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]", "--sft-num-epoch", "1",
+        "--prompt-data", str(tiny_kit.train), "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--num-rollout", "2",
+        "--rollout-batch-size", "2", "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
+        "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]}
+    # the reference: the same config and seed, uninterrupted (rejection sampling does not feed rl)
+    failing_train.armed = False
+    whole = pipeline(**params, run_id="whole", skip=["rejection_sampling", "evaluate"])
+    assert whole["rl"]["metrics"]["start_rollout_id"] == 0
+    assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 0, "export": 1}
+
+    failing_train.armed = True  # train-0001 fails, after iteration 0 was checkpointed
+    with pytest.raises(RuntimeError, match="injected failure in train"):
+        pipeline(**params, run_id="full")
+    assert failing_train.failures == 1
+    failing_train.armed = False
+    results = pipeline(**params, run_id="full")
     assert statuses(results) == {"convert": "cached", "sft": "cached", "rejection_sampling": "cached",
                                  "rl": "ran", "evaluate": "ran", "export": "ran"}
-    assert calls == {"convert": 1, "sft": 1, "export": 1}
+    assert calls == {"convert": 2, "sft": 2, "rejection_sampling": 1, "export": 2}  # run "full": one each
     assert results["rl"]["metrics"]["start_rollout_id"] == 1 and results["rl"]["metrics"]["resumed"]
     rl_checkpoint = results["rl"]["artifacts"]["checkpoint"]["uri"]
     assert results["export"]["metrics"]["source_checkpoint"] == rl_checkpoint
@@ -125,3 +154,11 @@ def test_full_pipeline_resumes_rl_after_a_failure_and_keeps_earlier_stages(prefe
     assert evaluated == {rl_checkpoint, results["sft"]["artifacts"]["checkpoint"]["uri"]}
     rows = Artifact.get(artifact_key("full", "evaluate", "results")).data
     assert "arithmetic" in rows and "mean_reward" in rows
+
+    # every RL step's results (reward, loss, KL, grad norm, eval) equal the uninterrupted run's
+    records = read_metrics(results["rl"]["metrics"]["metrics_uri"])
+    reference = read_metrics(whole["rl"]["metrics"]["metrics_uri"])
+    assert sorted(records) == sorted(reference) == [0, 1]
+    assert {"rl/reward_mean", "rl/grad_norm", "train/loss", "eval/arithmetic/mean_reward"} <= set(outcome(records[1]))
+    for rollout_id in reference:
+        assert outcome_differences(records[rollout_id], reference[rollout_id]) == [], rollout_id

@@ -31,15 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ray"))  # rl_setup
 from rl_setup import rl_config  # noqa: E402
 
 from slime.backends.megatron.checkpoint import latest_checkpoint, read_training_state  # noqa: E402
-from slime.rl import read_metrics  # noqa: E402
+from slime.rl.metrics import outcome, outcome_differences, read_metrics  # noqa: E402
 
 NUM_ROLLOUT = 3
 PLUGINS = str(Path(__file__).resolve().parents[1] / "ray")
 RUN_TIMEOUT_S = 600
 # Ray's dashboard and runtime-env agents notice their dead raylet on their own, within about a minute
 AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
-# figures of a step record that are timings (differ between any two runs) rather than results
-TIMING = re.compile(r"(_s$|/time|time_s|_time$|per_s|^time$|^perf/|^sync/.*(_s|bytes|gbps)$)")
 
 
 def write_config(tiny_kit, root: Path, run_id: str) -> tuple[Path, str]:
@@ -98,11 +96,6 @@ def model_weights(checkpoint: str, scratch: Path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(f"{checkpoint}/model", target)
     state = torch.load(target, weights_only=True)
     return {k: v for k, v in state.items() if "_extra_state" not in k}
-
-
-def results(record: dict) -> dict:
-    """A step record without its timings and the URIs of its outputs (they name the run)."""
-    return {k: v for k, v in record.items() if not TIMING.search(k) and not k.endswith("uri")}
 
 
 def metric_lines(uri: str) -> list[int]:
@@ -179,6 +172,6 @@ def test_sigkill_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_ki
     for name, tensor in reference_weights.items():
         assert torch.equal(weights[name], tensor), name
     records, reference_records = read_metrics(resumed["metrics_uri"]), read_metrics(reference["metrics_uri"])
-    assert "rl/grad_norm" in results(records[2]) and "eval/tiny/mean_reward" in results(records[2])
+    assert "rl/grad_norm" in outcome(records[2]) and "eval/tiny/mean_reward" in outcome(records[2])
     for rollout_id in range(NUM_ROLLOUT):  # every step's results, the last one's above all
-        assert results(records[rollout_id]) == results(reference_records[rollout_id]), rollout_id
+        assert outcome_differences(records[rollout_id], reference_records[rollout_id]) == [], rollout_id
