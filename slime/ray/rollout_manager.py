@@ -241,7 +241,14 @@ class RolloutManager:
             async with EngineClient() as client:
                 return await broadcast_to_workers(client, urls, path, {})
 
-        return asyncio.run(send())
+        try:
+            return asyncio.run(send())
+        except EngineError as exc:
+            if self.monitor is None:
+                raise
+            # every live engine got the call; a dead one is the health monitor's to restart
+            logger.warning("%s did not reach every engine (fault tolerance goes on): %s", path, exc)
+            return {}
 
     def offload(self) -> dict[str, Any]:
         """Release every engine's memory (weights and KV cache) while the trainer runs; health checks pause."""

@@ -193,9 +193,13 @@ def test_engine_killed_while_idle_is_resynced_from_disk_weights(manager, weights
     assert sorted(manager.router.worker_urls(healthy_only=True)) == sorted(e["url"] for e in manager.engines())
 
 
-def test_engine_past_the_restart_limit_stays_down(manager):
+def test_engine_dead_while_offloaded_past_the_restart_limit_stays_down(manager):
     before = manager.engines()[1]
+    manager.offload()  # health checks pause while the engines' memory is released
     os.kill(before["pid"], signal.SIGKILL)
+    time.sleep(INTERVAL_S * 3)
+    assert manager.engines()[1]["state"] == "serving"  # not checked while offloaded
+    manager.onload()  # reaches engine 0; the dead one is left to the monitor, which checks again
     _wait_state(manager, 1, "failed", restarts=2, timeout_s=60)
     assert manager.router.worker_urls() == [manager.engines()[0]["url"]] and not _alive(before["pid"])
     manager.args.rollout_max_response_len = 8  # only that the step runs on one engine matters here
