@@ -280,6 +280,7 @@ class BuiltinEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
+                                 "prefills": self.scheduler.prefills,
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,

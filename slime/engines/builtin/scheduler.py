@@ -19,6 +19,7 @@ requests (SGLang's in-place pause), `abort()` finishes requests with the tokens 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -103,6 +104,7 @@ class Scheduler:
         max_running_requests: int = 256,
         context_length: int | None = None,
         admission_window_s: float = 0.01,
+        admission_max_s: float = 0.2,
         kv_cache: str = "auto",
         cuda_graphs: bool = True,
         max_slot_len: int = 4096,
@@ -112,9 +114,14 @@ class Scheduler:
         self.device = device
         self.seed = seed
         self.max_running_requests = max_running_requests
-        # An idle engine waits this long after a request arrives for the rest of a burst, so that
-        # concurrent requests are prefilled together (no left padding between them for their whole life).
+        # Arrivals are admitted in groups: a group closes once no request has come for
+        # `admission_window_s` (the burst is over), once it fills the free rows, or once its first
+        # request has waited `admission_max_s`. Concurrent requests are then prefilled together (no
+        # left padding between them for their whole life), and requests trickling in over HTTP do
+        # not each cost an eager prefill forward between two decode steps (measured on an H100: 256
+        # HTTP requests ran at 40% of the in-process rate when every step admitted what had come).
         self.admission_window_s = admission_window_s
+        self.admission_max_s = admission_max_s
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", 1 << 30)
         self.kv_cache = self._choose_kv_cache(kv_cache)
         if self.kv_cache == "slots":  # every request must fit its slot
@@ -135,8 +142,10 @@ class Scheduler:
         self._abort_all = False
         self._abort_rids: set[str] = set()
         self._lock = threading.Lock()
+        self._finished: list[Request] = []  # resolved on their event loops once per step, not one by one
         self._thread = threading.Thread(target=self._run, name="builtin-engine", daemon=True)
         self.steps = 0
+        self.prefills = 0  # prefill forwards run (admission groups), reported by /server_info
         self.generated_tokens = 0
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -269,6 +278,7 @@ class Scheduler:
             if self._batch is None and self._waiting and not self._paused:
                 self._collect_burst()
             if self._paused or not (self._waiting or self._batch):
+                self._publish()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -281,17 +291,28 @@ class Scheduler:
                 self._batch, self._waiting = None, []
                 for request in failed:
                     self._fail(request, exc)
+            self._publish()
 
     def _collect_burst(self) -> None:
-        deadline = min(r.arrival for r in self._waiting) + self.admission_window_s
+        """Idle engine: block (GIL released, so the HTTP thread runs freely) until the group closes."""
+        first = min(r.arrival for r in self._waiting)
         while len(self._waiting) < self.max_running_requests:
-            remaining = deadline - time.perf_counter()
+            last = self._waiting[-1].arrival  # the inbox is in arrival order
+            remaining = min(last + self.admission_window_s, first + self.admission_max_s) - time.perf_counter()
             if remaining <= 0:
                 return
             try:
                 self._waiting.append(self._inbox.get(timeout=remaining))
             except queue.Empty:
                 return
+
+    def _group_closed(self, room: int) -> bool:
+        """Running engine: admit the waiting requests now, or keep decoding while more arrive?"""
+        if len(self._waiting) >= room:
+            return True
+        now = time.perf_counter()
+        return (now - self._waiting[-1].arrival >= self.admission_window_s
+                or now - self._waiting[0].arrival >= self.admission_max_s)
 
     def _run_commands(self) -> None:
         while True:
@@ -321,7 +342,8 @@ class Scheduler:
 
     def _step(self) -> None:
         room = self.max_running_requests - (len(self._batch.requests) if self._batch else 0)
-        if room > 0 and self._waiting:
+        if room > 0 and self._waiting and (self._batch is None or self._group_closed(room)):
+            self.prefills += 1
             admitted, self._waiting = self._waiting[:room], self._waiting[room:]
             scoring = [r for r in admitted if r.params.max_new_tokens == 0]
             if scoring:  # prompt scoring only (e.g. teacher log-probs): no token is generated
@@ -521,15 +543,29 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
-        request.loop.call_soon_threadsafe(_resolve, request.done, request)
+        self._finished.append(request)
+
+    def _publish(self) -> None:
+        """Hand the requests finished since the last call to their event loops: one wake-up per loop
+        and step, however many requests finished in it."""
+        if not self._finished:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+        for request in self._finished:
+            by_loop.setdefault(request.loop, []).append(request)
+        self._finished = []
+        for loop, requests in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(_resolve_all, requests)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.loop.call_soon_threadsafe(_reject, request.done, exc)
 
 
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
+def _resolve_all(requests: list[Request]) -> None:
+    for request in requests:
+        if not request.done.done():
+            request.done.set_result(request)
 
 
 def _reject(future: asyncio.Future, exc: Exception) -> None:

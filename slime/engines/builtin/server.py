@@ -66,8 +66,10 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         return _error(str(exc))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request) -> Any:
-        return await engine.generate(await _json_body(request))
+    async def generate(request: Request) -> JSONResponse:
+        # a JSONResponse is sent as is: FastAPI's jsonable_encoder would walk every log-prob entry
+        # (~400 per 128-token reply) on the thread that also admits new requests
+        return JSONResponse(await engine.generate(await _json_body(request)))
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,110 @@
+"""How the built-in engine groups arriving requests, and the slot cache's batched prefill copy."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
+from slime.engines.builtin.slots import SlotDecoder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_kit):
+    eng = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=3, kv_cache="slots"))
+    yield eng
+    eng.shutdown()
+
+
+def _body(prompt: list[int], new_tokens: int) -> dict:
+    return {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+
+
+async def _trickle(engine, count: int, gap_s: float, long_tokens: int = 150) -> tuple[list[dict], int]:
+    """One long request starts a batch; `count` more arrive `gap_s` apart while it decodes.
+    Returns the replies (long request last) and the prefill groups the arrivals took."""
+    scheduler = engine.scheduler
+    long = asyncio.ensure_future(engine.generate(_body([5, 6, 7], long_tokens)))
+    start = scheduler.steps
+    while scheduler.steps == start or scheduler._batch is None:  # the long request is decoding
+        await asyncio.sleep(0.001)
+    before = scheduler.prefills
+    replies = []
+    for i in range(count):
+        replies.append(asyncio.ensure_future(engine.generate(_body([10 + i, 11, 12 + i], 4))))
+        await asyncio.sleep(gap_s)
+    done = await asyncio.gather(*replies, long)
+    return list(done), scheduler.prefills - before
+
+
+def test_requests_trickling_into_a_running_batch_are_prefilled_as_one_group(engine):
+    scheduler = engine.scheduler
+    window, cap = scheduler.admission_window_s, scheduler.admission_max_s
+    scheduler.admission_window_s, scheduler.admission_max_s = 2.0, 30.0  # 20 ms gaps: one burst
+    try:
+        replies, groups = asyncio.run(_trickle(engine, count=5, gap_s=0.02, long_tokens=400))
+    finally:
+        scheduler.admission_window_s, scheduler.admission_max_s = window, cap
+    assert groups == 1
+    assert all(r["meta_info"]["completion_tokens"] == 4 for r in replies[:-1])
+    assert replies[-1]["meta_info"]["completion_tokens"] == 400
+
+
+def test_a_group_closes_when_arrivals_stop_fill_the_rows_or_wait_too_long(engine):
+    """The close rule itself, on arrival times set by hand (the real threads' timing is not
+    reproducible on a loaded machine)."""
+    from slime.engines.builtin.scheduler import Scheduler
+
+    scheduler = Scheduler.__new__(Scheduler)  # only the admission settings and the waiting list
+    # wide margins: a stalled test process must not turn "just arrived" into "quiet for a while"
+    scheduler.admission_window_s, scheduler.admission_max_s = 1.0, 10.0
+    now = time.perf_counter()
+
+    def waiting(*ages: float) -> list:
+        return [SimpleNamespace(arrival=now - age) for age in ages]
+
+    scheduler._waiting = waiting(2.0, 0.01)  # the last came just now: more may follow
+    assert not scheduler._group_closed(room=8)
+    assert scheduler._group_closed(room=2)  # no row left for more
+    scheduler._waiting = waiting(2.0, 1.5)  # quiet for 1.5 s: the burst is over
+    assert scheduler._group_closed(room=8)
+    scheduler._waiting = waiting(*[12.0 - 0.2 * i for i in range(60)], 0.01)  # a steady stream: capped
+    assert scheduler._group_closed(room=100)
+    scheduler._waiting = waiting(*[5.0 - 0.2 * i for i in range(25)], 0.01)
+    assert not scheduler._group_closed(room=100)
+
+
+def test_trickled_requests_keep_exact_logprobs(engine):
+    """Rows admitted mid-batch through the slot cache score like a fresh teacher-forced pass."""
+    replies, _ = asyncio.run(_trickle(engine, count=3, gap_s=0.003, long_tokens=30))
+    prompts = [[10 + i, 11, 12 + i] for i in range(3)] + [[5, 6, 7]]
+    for prompt, reply in zip(prompts, replies, strict=True):
+        ids = torch.tensor([prompt + reply["output_ids"]])
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(
+            1, torch.tensor(reply["output_ids"]).unsqueeze(1)).squeeze(1)
+        got = torch.tensor([lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]])
+        assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_write_prefill_copies_each_rows_tokens_to_the_start_of_its_slot(engine):
+    model = engine.model
+    config = model.config
+    slots = SlotDecoder(model, slots=6, max_len=32, device=torch.device("cpu"), cuda_graphs=False)
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    width, lengths = 7, [7, 3, 1, 5]
+    layers = [(torch.randn(4, kv_heads, width, head_dim), torch.randn(4, kv_heads, width, head_dim))
+              for _ in range(config.num_hidden_layers)]
+    cache = DynamicCache(layers, config=config)
+    slots.write_prefill(cache, [2, 0, 3], [lengths[2], lengths[0], lengths[3]], first_slot=1)
+    for layer, (keys, values) in enumerate(layers):
+        for slot, row in ((1, 2), (2, 0), (3, 3)):
+            n = lengths[row]
+            assert torch.equal(slots.keys[layer][slot, :, :n], keys[row, :, width - n :])
+            assert torch.equal(slots.values[layer][slot, :, :n], values[row, :, width - n :])
+        assert not slots.keys[layer][0].any() and not slots.keys[layer][4:].any()  # other slots untouched
