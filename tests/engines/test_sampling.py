@@ -6,7 +6,7 @@ import torch
 from slime.engines.builtin.sampling import inverse_cdf
 
 
-@pytest.mark.parametrize("vocab", [7, 1024, 3000, 151936])
+@pytest.mark.parametrize("vocab", [7, 1024, 2503, 3000, 151936])
 def test_inverse_cdf_equals_full_cumulative_sum(vocab):
     generator = torch.Generator().manual_seed(vocab)
     logits = torch.randn(64, vocab, generator=generator) * 3
@@ -20,8 +20,15 @@ def test_inverse_cdf_equals_full_cumulative_sum(vocab):
     assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())
 
 
+def test_block_size_divides_the_vocabulary_when_it_can():
+    from slime.engines.builtin.sampling import _block_size
+
+    assert _block_size(151936) == 1187 and _block_size(3000) == 1000 and _block_size(2048) == 1024
+    assert _block_size(2503) == 1024 and _block_size(384) == 1024  # nothing divides: padded blocks
+
+
 def test_inverse_cdf_edges_never_pick_a_zero_probability_token():
-    probs = torch.zeros(3, 2500)
+    probs = torch.zeros(3, 2503)  # prime: no block size divides it, so blocks of 1024 and padding
     probs[0, 5] = 1.0  # one possible token
     probs[1, [0, 2047]] = 0.5  # the last possible token sits at a block's end
     probs[2, [100, 2100]] = 0.5  # a trailing block with no mass, padded vocabulary

@@ -58,6 +58,10 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     matched_stop: str | None = None
     abort_requested: bool = False
+    # set by `submit`: a token in `stop_ids` or reaching `limit` tokens may end the request (the
+    # per-token fast check of `_choose`; `_check_stop` decides)
+    stop_ids: frozenset[int] = frozenset()
+    limit: int = 0
 
 
 @dataclass
@@ -183,8 +187,10 @@ class Scheduler:
         self.check_input(input_ids, params.max_new_tokens)
         loop = asyncio.get_running_loop()
         seed = params.sampling_seed if params.sampling_seed is not None else self.seed * 1_000_003 + next(self._arrivals)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
         request = Request(rid, list(input_ids), params, random.Random(seed), loop.create_future(), loop,
-                          logprob_start_len=logprob_start_len)
+                          logprob_start_len=logprob_start_len, stop_ids=stop_ids,
+                          limit=min(params.max_new_tokens, self.context_length - len(input_ids)))
         self._inbox.put(request)
         self._wake.set()
         return request.done
@@ -431,10 +437,13 @@ class Scheduler:
         token_list, logprob_list = self._to_host(tokens, logprobs)
         for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
             if request.finish_reason is None:
-                request.output_ids.append(token)
+                output = request.output_ids
+                output.append(token)
                 request.output_logprobs.append(logprob)
                 self.generated_tokens += 1
-                self._check_stop(request)
+                # one set lookup per token at 256 rows; the full check only when it may stop
+                if token in request.stop_ids or request.params.stop or len(output) >= request.limit:
+                    self._check_stop(request)
         return tokens
 
     def _to_host(self, *tensors: torch.Tensor) -> list[list[Any]]:
