@@ -59,34 +59,38 @@ def run_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, 
     return elapsed
 
 
-async def _post_all(url: str, prompts: list[list[int]], new_tokens: int, start_at: float | None = None) -> float:
-    """POST every prompt concurrently (one connection each); the wall-clock time (time.time) the
-    last reply was checked. With `start_at`, the requests leave at that moment (client processes)."""
+async def _post_all(url: str, prompts: list[list[int]], new_tokens: int,
+                    start_at: float | None = None) -> tuple[float, float]:
+    """POST every prompt concurrently (one connection each); the wall-clock times (time.time) the
+    first request left and the last reply arrived. With `start_at`, the requests leave at that
+    moment (client processes)."""
     body = {"return_logprob": True, "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
+        start = time.time()
         replies = await asyncio.gather(*[client.post(f"{url}/generate", json={**body, "input_ids": p})
                                          for p in prompts])
-        for reply in replies:
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["meta_info"]["completion_tokens"] == new_tokens
-        return time.time()
+        end = time.time()
+    for reply in replies:  # checked outside the timed span (as before the client processes)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["meta_info"]["completion_tokens"] == new_tokens
+    return start, end
 
 
 def _client_process(url: str, prompts: list[list[int]], new_tokens: int, start_at: float) -> float:
-    return asyncio.run(_post_all(url, prompts, new_tokens, start_at))
+    return asyncio.run(_post_all(url, prompts, new_tokens, start_at))[1]
 
 
 def run_engine(url: str, prompts: list[list[int]], new_tokens: int, pool: ProcessPoolExecutor | None,
                workers: int = 1) -> float:
-    """Seconds from sending the first request to checking the last reply. With a pool the requests
+    """Seconds from sending the first request to receiving the last reply. With a pool the requests
     are split over its client processes, which start together, so the client's own Python (httpx,
     JSON) is not one core's sequential work."""
     if pool is None:
-        start = time.time()
-        return asyncio.run(_post_all(url, prompts, new_tokens)) - start
+        start, end = asyncio.run(_post_all(url, prompts, new_tokens))
+        return end - start
     start_at = time.time() + 0.5  # every process has its client ready by then
     chunks = [prompts[i::workers] for i in range(workers)]
     ends = list(pool.map(_client_process, [url] * workers, chunks, [new_tokens] * workers, [start_at] * workers))
