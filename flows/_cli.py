@@ -1,7 +1,9 @@
 """`python -m flows.<stage|pipeline> --config FILE [--store URL] [--run-id ID] [--flag value ...]`.
 
 Runs a flow in this process (ephemeral Prefect API unless PREFECT_API_URL is set), prints its JSON
-result, and says where the artifacts are and how to look at the run in the Prefect UI.
+result, and says where the artifacts are and how to look at the run in the Prefect UI. SIGTERM stops it
+cleanly: Prefect marks the runs Crashed, the RL loop stops its engines and Ray, and the process exits
+with 143 through the interpreter's normal shutdown (which stops the ephemeral API server).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prefect import Flow
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
 from slime.errors import SlimeError
+from slime.signals import sigterm_as_exit
 
 DEFAULT_CONFIG = "deployments/tiny-cpu.yaml"
 
@@ -59,7 +62,8 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     argv = [a for a in argv if a != "--json"]
     params = parse(f"python -m flows.{flow.fn.__module__.rsplit('.', 1)[-1]}", flow.description or flow.name, argv,
                    takes_model)
-    state = flow(**params, return_state=True)
+    with sigterm_as_exit():  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
+        state = flow(**params, return_state=True)
     flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
     try:
         result = state.result()  # the flow's own exception, re-raised

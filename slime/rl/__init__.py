@@ -11,45 +11,22 @@ id + 1 with its data-source state, so a rerun of the same config draws the same 
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 from typing import Any
 
 from slime.config import Config
 from slime.rl.loop import RLLoop
 from slime.rl.metrics import read_metrics
+from slime.signals import sigterm_as_exit
 
 __all__ = ["RLLoop", "read_metrics", "run_rl"]
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit():
-    """SIGTERM raises SystemExit in the main thread, so the loop's `finally` stops its processes.
-    Yields a function that installs the handler again: `ray.init` replaces it with Ray's own, which
-    aborts the process (SIGABRT, nothing cleaned up)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    previous = signal.signal(signal.SIGTERM, _stop)
-    try:
-        yield lambda: signal.signal(signal.SIGTERM, _stop)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
     """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record."""
     loop = RLLoop(config, **loop_options)
     steps: list[dict[str, Any]] = []
-    with _sigterm_as_exit() as reinstall:
+    with sigterm_as_exit():  # RLLoop.connect keeps it across ray.init
         try:
-            loop.connect()
-            reinstall()
             setup = loop.setup()
             for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
                 loop.maybe_eval(rollout_id, before_train=True)

@@ -32,6 +32,7 @@ from slime.config import Config
 from slime.errors import ConfigError
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
+from slime.signals import keep_sigterm_handler
 from slime.storage import ArtifactStore
 from slime.storage.fs import is_local, open_fs
 
@@ -115,7 +116,9 @@ class RLLoop:
         from slime.ray.placement import RayCluster
 
         if not ray.is_initialized():
-            self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus, num_gpus=self.num_gpus)
+            with keep_sigterm_handler():  # ray.init's own handler aborts: the caller's stays
+                self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus,
+                                                  num_gpus=self.num_gpus)
 
     def setup(self) -> dict[str, Any]:
         """Start Ray (or join it), the placement, the rollout manager and the train group; restore the

@@ -3,8 +3,16 @@ one RLLoop, the progress / metrics-table / report artifacts, and a failed run th
 newest committed RL checkpoint (not from iteration 0), then is reused (Cached) unchanged; the
 scheduled eval (`eval_watch_run`) evaluates its newest checkpoint once and then skips."""
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
@@ -13,6 +21,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskR
 from flows._report import artifact_key
 from flows.evaluate import evaluate_flow
 from flows.rl import CURVE_NAME, rl_flow
+from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.rl import read_metrics
 from tasks.convert import convert
 
@@ -77,3 +86,69 @@ def test_rl_flow_runs_steps_as_tasks_publishes_artifacts_and_resumes(prefect_api
     assert evaluate_flow(**watch, eval_watch_run="t")["status"] == "skipped"
     nothing = evaluate_flow(**watch, eval_watch_run="empty")
     assert nothing["status"] == "skipped" and "no committed checkpoint" in nothing["reason"]
+
+
+def descendants_alive(procs: list[psutil.Process]) -> list[str]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {' '.join(proc.cmdline())[:160]}")
+        except psutil.Error:
+            continue
+    return alive
+
+
+@pytest.mark.slow
+def test_sigterm_during_rl_stops_the_flow_cleanly_and_the_rerun_resumes(tiny_kit, tmp_path):
+    """`python -m flows.rl` as an operator runs it (own ephemeral Prefect API) gets SIGTERM once RL has a
+    checkpoint: it exits 143 and leaves nothing running (ray.init's own handler used to abort the process
+    and leave the Prefect API server behind); the same command then resumes RL after that checkpoint."""
+    store = tmp_path / "store"
+    overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--prompt-data", str(tiny_kit.train), "--num-rollout", "4",
+                 "--rollout-batch-size", "2", "--global-batch-size", "8", "--micro-batch-size", "4",
+                 "--save-interval", "1", "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]
+    from slime.config import load_config
+
+    convert.fn(load_config(str(TINY_CPU), overrides), "t", {"hf_checkpoint": str(tiny_kit.model_dir)},
+               str(store / "t" / "convert" / "checkpoint"))  # the flow starts from the run's newest checkpoint
+    command = [sys.executable, "-m", "flows.rl", "--config", str(TINY_CPU), "--store", str(store), "--run-id", "t",
+               *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
+    root = Path(__file__).resolve().parents[2]
+    save = str(store / "t" / "rl" / "checkpoint")
+    log = tmp_path / "flow.log"
+    started: list[psutil.Process] = []
+    with open(log, "ab") as out:
+        child = subprocess.Popen(command, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while latest_checkpoint(save) is None:
+            assert child.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no RL checkpoint in time"
+            time.sleep(0.5)
+        started = psutil.Process(child.pid).children(recursive=True)  # API server, Ray, actors, engine, router
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=300) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        deadline = time.monotonic() + 90
+        while descendants_alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not descendants_alive(started)
+        assert "Crashed" in log.read_text()  # Prefect recorded the interrupted runs
+    finally:
+        if child.poll() is None:
+            child.kill()
+        for proc in started:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    stopped_at = int(latest_checkpoint(save).rsplit("_", 1)[1])
+    assert stopped_at < 3
+
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()  # the JSON result (indented: "{" and "}" alone on their lines)
+    result = json.loads("\n".join(lines[lines.index("{"):lines.index("}") + 1]))
+    assert result["status"] == "ran" and result["metrics"]["resumed"] is True
+    assert result["metrics"]["start_rollout_id"] == stopped_at + 1
+    assert sorted(read_metrics(result["metrics"]["metrics_uri"])) == [0, 1, 2, 3]
