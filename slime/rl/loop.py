@@ -125,6 +125,7 @@ class RLLoop:
         data-source state of a resumed checkpoint; push the trainer's weights into the engines."""
         import ray
 
+        from slime.backends.megatron.checkpoint import latest_checkpoint
         from slime.ray.placement import create_placement
         from slime.ray.rollout_manager import RolloutManager
         from slime.ray.train_group import TrainGroup
@@ -148,8 +149,10 @@ class RLLoop:
             else:
                 logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
                                "start from the beginning of the data", self.start_rollout_id)
-        # the checkpoint's own step died between its save and its metrics line: finish it below
-        tail = self.start_rollout_id - 1 if self.start_rollout_id > 0 and self.start_rollout_id - 1 not in \
+        # this run's own checkpoint (not another run's, given as --load) whose step died between its save and
+        # its metrics line: finish that step below
+        own = bool(c.checkpoint.save) and latest_checkpoint(c.checkpoint.save) is not None
+        tail = self.start_rollout_id - 1 if own and self.start_rollout_id > 0 and self.start_rollout_id - 1 not in \
             read_metrics(self.metrics_uri, self.store.storage_options) else None
         moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
                                       redo_start_eval=tail is not None)
