@@ -161,3 +161,9 @@ def test_flow_run_page_shows_the_stages_and_artifacts(tiny_kit, tmp_path):
                 check_flow_run_pages(browser.new_page(), server.url, pipeline["id"], tmp_path)
             finally:
                 browser.close()
+
+
+def test_a_missing_chromium_fails_naming_the_apt_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", str(tmp_path / "no-chromium"))
+    with pytest.raises(pytest.fail.Exception, match=r"no-chromium not found.*`apt-get install -y chromium`"):
+        browser_or_fail()
