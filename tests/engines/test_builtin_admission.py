@@ -108,3 +108,14 @@ def test_write_prefill_copies_each_rows_tokens_to_the_start_of_its_slot(engine):
             assert torch.equal(slots.keys[layer][slot, :, :n], keys[row, :, width - n :])
             assert torch.equal(slots.values[layer][slot, :, :n], values[row, :, width - n :])
         assert not slots.keys[layer][0].any() and not slots.keys[layer][4:].any()  # other slots untouched
+
+
+def test_requests_without_rid_get_unique_sglang_style_ids(engine):
+    async def go():
+        return await asyncio.gather(*[engine.generate(_body([3, 4], 1)) for _ in range(20)])
+
+    ids = [reply["meta_info"]["id"] for reply in asyncio.run(go())]
+    assert len(set(ids)) == 20
+    assert all(len(rid) == 32 and int(rid, 16) >= 0 for rid in ids)
+    given = asyncio.run(engine.generate({**_body([3, 4], 1), "rid": "mine"}))
+    assert given["meta_info"]["id"] == "mine"

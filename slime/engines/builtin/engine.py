@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import itertools
 import logging
 import os
 import time
@@ -93,6 +94,7 @@ class BuiltinEngine:
         self.scheduler.weight_version = args.weight_version
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
         self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
+        self._rid_prefix, self._rid_counter = uuid.uuid4().hex[:16], itertools.count()
         self.scheduler.start()
         logger.info("built-in engine: %s on %s (%s)", args.model_path, self.device, self.dtype)
 
@@ -137,7 +139,7 @@ class BuiltinEngine:
             params = SamplingParams.from_request(sampling[i])
             ids = self._tokens(item)
             self.scheduler.check_input(ids, params.max_new_tokens)
-            parsed.append((ids, params, rids[i] or uuid.uuid4().hex,
+            parsed.append((ids, params, rids[i] or self._new_rid(),
                            start_len[i] if return_logprob[i] and start_len[i] is not None else -1))
         futures = [self.scheduler.submit(ids, params, rid, logprob_start_len=start)
                    for ids, params, rid, start in parsed]
@@ -146,6 +148,12 @@ class BuiltinEngine:
         outputs = [self._response(r, bool(return_logprob[i]), time.perf_counter() - started)
                    for i, r in enumerate(results)]
         return outputs if batched else outputs[0]
+
+    def _new_rid(self) -> str:
+        """A unique 32-hex-digit id like SGLang's uuid4().hex, without a `getrandom` call per request:
+        that call releases the GIL, and taking it back from a busy model thread costs up to the
+        interpreter's switch interval (seen as most of the HTTP thread's time under py-spy)."""
+        return f"{self._rid_prefix}{next(self._rid_counter):016x}"
 
     def _tokens(self, item: Any) -> list[int]:
         if isinstance(item, str):
