@@ -75,6 +75,11 @@ def _inputs(
     )
 
 
+def _clip_ratio(ratio: torch.Tensor, eps_clip: float, eps_clip_high: float | None) -> torch.Tensor:
+    """clip(ratio, 1 - eps_clip, 1 + eps_clip_high); ``eps_clip_high=None`` means ``eps_clip`` (symmetric)."""
+    return ratio.clamp(1 - eps_clip, 1 + (eps_clip if eps_clip_high is None else eps_clip_high))
+
+
 def _clipped_surrogate(
     ppo_kl: torch.Tensor,
     advantages: torch.Tensor,
@@ -84,11 +89,9 @@ def _clipped_surrogate(
     eps_clip_c: float | None,
 ) -> PolicyLossOutput:
     """PPO's clipped (and optionally dual-clipped) loss from ppo_kl = old - new, ``[B, T]``."""
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
     ratio = torch.exp(-ppo_kl)
     unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    clipped = -_clip_ratio(ratio, eps_clip, eps_clip_high) * advantages
     loss = torch.maximum(unclipped, clipped)
     clipfrac = (clipped > unclipped).float()
     if eps_clip_c is not None:
@@ -154,12 +157,10 @@ def cispo_loss(
     The gradient flows through ``log_probs`` only, so clipped tokens still contribute (scaled by
     the clipped ratio). Canonical CISPO has no lower bound: pass ``eps_clip >= 1``.
     """
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
     log_probs, old_log_probs, advantages, mask = _inputs(log_probs, old_log_probs, advantages, mask)
     ppo_kl = old_log_probs - log_probs
     ratio = torch.exp(-ppo_kl)
-    truncated = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    truncated = _clip_ratio(ratio, eps_clip, eps_clip_high)
     loss = -truncated.detach() * advantages * log_probs
     clipfrac = (truncated != ratio).float()
     return PolicyLossOutput(_masked(loss, mask), _masked(clipfrac, mask), _masked(ppo_kl, mask))
