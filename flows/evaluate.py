@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from flows._cli import DEFAULT_CONFIG, main
 from flows._report import publish_eval_table
@@ -48,7 +49,15 @@ def evaluate_one(config: Config, run_id: str, model: str) -> dict[str, Any]:
     return run_stage(evaluate, config, run_id, eval_inputs(config, model), plan.uri)
 
 
-@flow(name="evaluate", flow_run_name=run_name("evaluate"))
+def evaluate_run_name() -> str:
+    """`evaluate-<run id>`; a watch run without `run_id` is named after the watched run, where its results go."""
+    params = flow_run.parameters
+    if params.get("eval_watch_run") and not params.get("run_id"):
+        return f"evaluate-{params['eval_watch_run']}"
+    return run_name("evaluate")()
+
+
+@flow(name="evaluate", flow_run_name=evaluate_run_name)
 def evaluate_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, store: str | None = None,
                   run_id: str | None = None, model: str | None = None, compare: list[str] | None = None,
                   eval_watch_run: str | None = None) -> dict[str, Any]:

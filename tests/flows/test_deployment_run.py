@@ -1,111 +1,179 @@
-"""A real `prefect server` + `slime-local` process worker + `prefect deploy --all`: a
-`prefect deployment run 'post-training/tiny-cpu' --watch` of the tiny pipeline that fails at export,
-then `prefect flow-run retry` after the fix, which completes with convert and sft Cached (slow: ~4 min)."""
+"""Deployments of prefect.yaml on a real `prefect server` with a `slime-local` process worker (slow).
 
+1. `prefect deployment run 'post-training/tiny-cpu' --watch` of the tiny pipeline that fails at export,
+   then `prefect flow-run retry` after the fix, which completes with convert and sft Cached (~4 min).
+2. `evaluate/evaluate-newest` with an interval schedule: runs created by the server's scheduler (not by
+   `deployment run`) evaluate the watched run's newest committed checkpoint once, then skip (~6 min).
+"""
+
+import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from prefect_server import PREFECT, ROOT, PrefectServer, prefect_server, stop, tail
 
+from flows._report import artifact_key
 from flows.pipeline import OPTIONAL  # left out here: this test is about the deployment, not the stages
-from slime.engines.process import find_free_port
-from slime.storage import ArtifactStore
+from slime.storage import ArtifactStore, read_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
-PREFECT = shutil.which("prefect", path=str(Path(sys.executable).parent))
+TINY_CPU = "deployments/tiny-cpu.yaml"
+TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT (what Prefect's server and worker shut down cleanly on), then SIGKILL; only our own PIDs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+def cli(server: PrefectServer, *args: str, worker_log: Path, timeout: float = 300, expect: int = 0) -> str:
+    """`prefect ARGS` against the server from the project root; asserts the exit code, returns stdout."""
+    done = subprocess.run([PREFECT, *args], cwd=ROOT, env=server.env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == expect, (f"prefect {' '.join(args)}: exit {done.returncode}\n{done.stdout[-3000:]}\n"
+                                       f"{done.stderr[-3000:]}\nworker log:\n{tail(worker_log)}")
+    return done.stdout
+
+
+@contextlib.contextmanager
+def worker(server: PrefectServer, log_path: Path):
+    """`prefect worker start --pool slime-local` from the project root (the pull step's $PWD), stopped by PID."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([PREFECT, "worker", "start", "--pool", "slime-local"], cwd=ROOT, env=server.env,
+                                   stdout=log, stderr=subprocess.STDOUT)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def read(path: Path) -> str:
-    return path.read_text()[-4000:] if path.exists() else ""
+            yield process
+        finally:
+            stop(process)
 
 
 @pytest.mark.slow
 def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
-    port = find_free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PWD": str(ROOT)}
-    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "worker")}  # noqa: SIM115
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
-                              env=env, stdout=logs["server"], stderr=subprocess.STDOUT)
-    worker = None
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "prefect server not healthy after 180 s"
-            time.sleep(2)
-
-        def prefect(*args, timeout=300, expect=0):
-            done = subprocess.run([PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            assert done.returncode == expect, (f"prefect {' '.join(args)}: exit {done.returncode}\n{done.stdout[-3000:]}\n"
-                                               f"{done.stderr[-3000:]}\nworker log:\n{read(tmp_path / 'worker.log')}")
-            return done.stdout
-
-        def api(path, body):
-            return httpx.post(f"http://127.0.0.1:{port}/api/{path}", json={"offset": 0, "limit": 10, **body},
-                              timeout=30).json()
-
-        prefect("work-pool", "create", "slime-local", "--type", "process")
-        assert "post-training/tiny-cpu" in prefect("deploy", "--all", "--no-prompt")
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "slime-local"], cwd=ROOT, env=env,
-                                  stdout=logs["worker"], stderr=subprocess.STDOUT)
-        origin, store = tmp_path / "origin", tmp_path / "store"
-        overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
-                     "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]
-        # 1. a deployment run whose export fails (its origin HF directory is not there yet): --watch exits 1
-        prefect("deployment", "run", "post-training/tiny-cpu", "--watch",
+    worker_log = tmp_path / "worker.log"
+    with prefect_server(tmp_path) as server:
+        cli(server, "work-pool", "create", "slime-local", "--type", "process", worker_log=worker_log)
+        assert "post-training/tiny-cpu" in cli(server, "deploy", "--all", "--no-prompt", worker_log=worker_log)
+        with worker(server, worker_log):
+            origin, store = tmp_path / "origin", tmp_path / "store"
+            overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
+                         "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]
+            # 1. a deployment run whose export fails (its origin HF directory is not there yet): --watch exits 1
+            cli(server, "deployment", "run", "post-training/tiny-cpu", "--watch",
                 "--param", f"overrides={json.dumps(overrides)}", "--param", f"store={json.dumps(str(store))}",
                 "--param", 'run_id="deployed"', "--param", f"skip={json.dumps(list(OPTIONAL))}",
-                timeout=480, expect=1)
-        sft_manifest = store / "deployed" / "sft" / "checkpoint" / "iter_0000001" / "manifest.json"
-        committed_at = json.loads(sft_manifest.read_text())["created_at"]
+                worker_log=worker_log, timeout=480, expect=1)
+            sft_manifest = store / "deployed" / "sft" / "checkpoint" / "iter_0000001" / "manifest.json"
+            committed_at = json.loads(sft_manifest.read_text())["created_at"]
 
-        # 2. fixed, then `prefect flow-run retry`: the worker runs it again and it continues at export
-        shutil.copytree(tiny_kit.model_dir, origin)
-        prefect("flow-run", "retry", "post-training-deployed")
-        deadline = time.monotonic() + 300
-        while True:
-            (run,) = api("flow_runs/filter", {"flow_runs": {"name": {"any_": ["post-training-deployed"]}}})
-            if run["state_type"] in ("COMPLETED", "FAILED", "CRASHED"):
-                break
-            assert time.monotonic() < deadline, f"retry still {run['state_type']}:\n{read(tmp_path / 'worker.log')}"
-            time.sleep(3)
-        assert run["state_type"] == "COMPLETED", read(tmp_path / "worker.log")
+            # 2. fixed, then `prefect flow-run retry`: the worker runs it again and it continues at export
+            shutil.copytree(tiny_kit.model_dir, origin)
+            cli(server, "flow-run", "retry", "post-training-deployed", worker_log=worker_log)
+            deadline = time.monotonic() + 300
+            while True:
+                (run,) = server.api("flow_runs/filter", {"flow_runs": {"name": {"any_": ["post-training-deployed"]}}})
+                if run["state_type"] in TERMINAL:
+                    break
+                assert time.monotonic() < deadline, f"retry still {run['state_type']}:\n{tail(worker_log)}"
+                time.sleep(3)
+        assert run["state_type"] == "COMPLETED", tail(worker_log)
         assert ArtifactStore(str(store)).committed("deployed", "export") == ["hf"]
         assert json.loads(sft_manifest.read_text())["created_at"] == committed_at  # sft was not run again
         states = {}
-        for task_run in api("task_runs/filter", {"task_runs": {"name": {"any_": ["convert-deployed", "sft-deployed",
-                                                                                 "export-deployed"]}}}):
+        for task_run in server.api("task_runs/filter", {"task_runs": {"name": {"any_": [
+                "convert-deployed", "sft-deployed", "export-deployed"]}}}):
             states.setdefault(task_run["name"], []).append(task_run["state_name"])
-        assert sorted(states["sft-deployed"]) == ["Cached", "Completed"]
-        assert sorted(states["convert-deployed"]) == ["Cached", "Completed"]
-        assert sorted(states["export-deployed"]) == ["Completed", "Failed"]
+    assert sorted(states["sft-deployed"]) == ["Cached", "Completed"]
+    assert sorted(states["convert-deployed"]) == ["Cached", "Completed"]
+    assert sorted(states["export-deployed"]) == ["Completed", "Failed"]
+
+
+# ----------------------------------------------------------------------------- scheduled eval
+
+
+def slime_stage(*args: str, log: Path) -> None:
+    """`python -m slime ARGS` (no Prefect) from the project root; asserts it succeeded."""
+    with open(log, "a") as out:
+        done = subprocess.run([str(Path(PREFECT).parent / "python"), "-m", "slime", *args], cwd=ROOT, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=600)
+    assert done.returncode == 0, f"slime {args[0]} failed:\n{tail(log)}"
+
+
+def commit_checkpoints(kit, store: Path, run: str, log: Path) -> Path:
+    """A watched run with a committed convert checkpoint and a newer SFT one; returns the SFT iteration."""
+    common = ["--config", TINY_CPU, "--hf-checkpoint", str(kit.model_dir)]
+    slime_stage("convert", *common, "--save", str(store / run / "convert" / "checkpoint"), log=log)
+    slime_stage("sft", *common, "--load", str(store / run / "convert" / "checkpoint"),
+                "--save", str(store / run / "sft" / "checkpoint"), "--sft-data", f"{kit.sft}@[0:16]",
+                "--sft-num-epoch", "1", log=log)
+    (newest,) = sorted((store / run / "sft" / "checkpoint").glob("iter_*"))
+    return newest
+
+
+def finished_runs(server: PrefectServer, deployment_id: str) -> list[dict]:
+    runs = server.api("flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}},
+                                           "sort": "EXPECTED_START_TIME_ASC"})
+    return [run for run in runs if run["state_type"] in TERMINAL]
+
+
+def run_logs(server: PrefectServer, flow_run_id: str) -> str:
+    logs = server.api("logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
+    return "\n".join(entry["message"] for entry in logs)
+
+
+@pytest.mark.slow
+def test_scheduled_eval_evaluates_the_newest_checkpoint_once(tiny_kit, tmp_path, monkeypatch):
+    # the server's scheduler looks for due schedules every 5 s instead of 60 (the test waits less)
+    monkeypatch.setenv("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "5")
+    store, watched, worker_log = tmp_path / "store", "watched", tmp_path / "worker.log"
+    prepared: dict[str, Path] = {}
+    preparing = threading.Thread(target=lambda: prepared.update(
+        sft=commit_checkpoints(tiny_kit, store, watched, tmp_path / "stages.log")))
+    preparing.start()  # convert + sft (~1.5 min) while the server starts
+    try:
+        with prefect_server(tmp_path) as server:
+            cli(server, "work-pool", "create", "slime-local", "--type", "process", worker_log=worker_log)
+            cli(server, "concurrency-limit", "create", "slime-gpu", "1", worker_log=worker_log)
+            overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--prompt-data", str(tiny_kit.train),
+                         "--sft-data", str(tiny_kit.sft), "--rs-prompt-data", f"{tiny_kit.train}@[0:4]",
+                         "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]
+            params = {"overrides": overrides, "store": str(store), "eval_watch_run": watched}
+            # the deployment as prefect.yaml declares it (entrypoint, cron, concurrency limit, tags), with
+            # this test's store and data
+            cli(server, "deploy", "--name", "evaluate-newest", "--params", json.dumps(params), "--no-prompt",
+                worker_log=worker_log)
+            deployment = httpx.get(f"{server.url}/api/deployments/name/evaluate/evaluate-newest", timeout=30).json()
+            assert [s["schedule"].get("cron") for s in deployment["schedules"]] == ["*/30 * * * *"]
+            assert deployment["global_concurrency_limit"]["limit"] == 1  # prefect.yaml's concurrency_limit
+            assert deployment["parameters"]["eval_watch_run"] == watched and "slime" in deployment["tags"]
+            preparing.join(timeout=600)
+            assert "sft" in prepared, f"preparing the watched run failed:\n{tail(tmp_path / 'stages.log')}"
+            # every minute instead of every 30: the scheduler creates the runs; the worker executes them
+            cli(server, "deployment", "schedule", "create", "evaluate/evaluate-newest", "--interval", "60",
+                "--replace", "-y", worker_log=worker_log)
+            with worker(server, worker_log):
+                deadline = time.monotonic() + 900
+                while len(runs := finished_runs(server, deployment["id"])) < 2:
+                    assert time.monotonic() < deadline, f"{len(runs)} scheduled run(s) finished:\n{tail(worker_log)}"
+                    time.sleep(5)
+            first, second = runs[:2]
+            logs = [run_logs(server, run["id"]) for run in (first, second)]
+            artifacts = [server.api("artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+                         for run in (first, second)]
     finally:
-        for proc in (worker, server):
-            if proc is not None:
-                stop(proc)
-        for log in logs.values():
-            log.close()
+        preparing.join(timeout=600)
+
+    for run in (first, second):
+        assert run["state_type"] == "COMPLETED", f"{run['name']}: {run['state_name']}\n{tail(worker_log)}"
+        assert run["auto_scheduled"] is True  # created by the scheduler, not by `deployment run`
+        assert run["name"] == f"evaluate-{watched}"
+    # the first evaluated the SFT checkpoint (newer than convert's), and its results artifact names it
+    sft = str(prepared["sft"])
+    (table,) = [a for a in artifacts[0] if a["key"] == artifact_key(watched, "evaluate", "results")]
+    rows = json.loads(table["data"])
+    assert {row["checkpoint"] for row in rows} == {sft} and [row["dataset"] for row in rows] == ["arithmetic"]
+    (result,) = ArtifactStore(str(store)).committed(watched, "evaluate")
+    meta = read_manifest(str(store / watched / "evaluate" / result)).metadata
+    assert meta["checkpoint"] == sft and set(meta["metrics"]) == {"arithmetic"}
+    assert result.startswith("sft-iter_0000001-")
+    # the second found nothing new: skipped without an eval or an artifact
+    assert "evaluate: skipped" in logs[1] and f"{sft} was evaluated with this config already" in logs[1], logs[1]
+    assert artifacts[1] == []
