@@ -41,6 +41,17 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def local_host(host: str) -> str:
+    """The address a server bound to `host` is reached at: 127.0.0.1 for a wildcard bind ("0.0.0.0", "")."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def server_url(host: str, port: int) -> str:
+    """`http://host:port` of a server bound to `host` (see `local_host`; an IPv6 address in brackets)."""
+    host = local_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def flag_key(flag: str) -> str:
     """A pass-through flag as a config key: `--mem-fraction-static` / `mem-fraction-static` -> `mem_fraction_static`."""
     return flag.strip().lstrip("-").replace("-", "_")
@@ -238,6 +249,23 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = "not started" if self._popen is None else ("alive" if self.alive else f"exited {self.returncode}")
         return f"ServerProcess({self.name!r}, pid={self.pid}, {state}, log={str(self.log_path)!r})"
+
+
+def start_server(cmd: Sequence[str], *, log_path: str | os.PathLike[str], health_url: str, timeout_s: float,
+                 interval_s: float = 0.25, env: Mapping[str, str] | None = None,
+                 name: str | None = None) -> ServerProcess:
+    """Launch `cmd` as a `ServerProcess` and wait until `GET health_url` answers 200.
+
+    A server that exits first or does not answer within `timeout_s` is stopped (its whole group)
+    before the EngineStartError propagates, so a failed start leaves nothing running.
+    """
+    process = ServerProcess(cmd, log_path=log_path, env=env, name=name).start()
+    try:
+        process.wait_healthy(health_url, timeout_s=timeout_s, interval_s=interval_s)
+    except BaseException:
+        process.stop()
+        raise
+    return process
 
 
 @atexit.register

@@ -37,7 +37,15 @@ from typing import Any, Self
 import httpx
 
 from slime.engines.client import EngineClient
-from slime.engines.process import ServerProcess, find_free_port, flag_key, flags_to_argv
+from slime.engines.process import (
+    ServerProcess,
+    find_free_port,
+    flag_key,
+    flags_to_argv,
+    local_host,
+    server_url,
+    start_server,
+)
 from slime.errors import ConfigError, EngineError, EngineHTTPError, EngineStartError
 
 logger = logging.getLogger(__name__)
@@ -166,12 +174,11 @@ class SGLangRouter:
         """Base URL of the router (`http://host:port`); set once `start()` picked the port."""
         if self.port is None:
             raise RuntimeError("SGLangRouter has no port yet: call start() first")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return server_url(self.host, self.port)
 
     def command(self) -> list[str]:
         """The launch command (picks free router and Prometheus ports first where none was given)."""
-        bind = self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1"
+        bind = local_host(self.host)
         if self.port is None:
             self.port = find_free_port(bind)
         if self.prometheus_port is None:
@@ -188,13 +195,9 @@ class SGLangRouter:
         """Launch the router and wait until `GET /liveness` is 200; on failure stop it and raise."""
         cmd = self.command()
         log_path = self.log_path or Path(tempfile.gettempdir()) / f"slime-router-{self.port}.log"
-        self.process = ServerProcess(cmd, log_path=log_path, env=self.env, name=f"sglang-router@{self.port}")
-        self.process.start()
-        try:
-            self.process.wait_healthy(self.url + "/liveness", timeout_s=self.startup_timeout_s, interval_s=0.2)
-        except BaseException:
-            self.process.stop()
-            raise
+        self.process = start_server(cmd, log_path=log_path, health_url=self.url + "/liveness",
+                                    timeout_s=self.startup_timeout_s, interval_s=0.2, env=self.env,
+                                    name=f"sglang-router@{self.port}")
         logger.info("sglang-router ready at %s (policy %s)", self.url, self.router_args.get("policy"))
         return self
 

@@ -26,7 +26,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Self
 
-from slime.engines.process import ServerProcess, find_free_port, flag_key, flags_to_argv
+from slime.engines.process import (
+    ServerProcess,
+    find_free_port,
+    flag_key,
+    flags_to_argv,
+    local_host,
+    server_url,
+    start_server,
+)
 from slime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -142,26 +150,21 @@ class SGLangEngine:
         """Base URL of the server (`http://host:port`); set once `start()` picked the port."""
         if self.port is None:
             raise RuntimeError("SGLangEngine has no port yet: call start() first")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return server_url(self.host, self.port)
 
     def command(self) -> list[str]:
         """The launch command (picks a free port first if none was given)."""
         if self.port is None:
-            self.port = find_free_port(self.host if self.host not in ("0.0.0.0", "") else "127.0.0.1")
+            self.port = find_free_port(local_host(self.host))
         return build_sglang_command(self.model_path, self.host, self.port, self.sglang_args, self.python)
 
     def start(self) -> Self:
         """Launch the server and wait for `GET /health_generate` 200; on failure stop it and raise."""
         cmd = self.command()
         log_path = self.log_path or Path(tempfile.gettempdir()) / f"slime-sglang-{self.port}.log"
-        self.process = ServerProcess(cmd, log_path=log_path, env=self.env, name=f"sglang@{self.port}")
-        self.process.start()
-        try:
-            self.process.wait_healthy(self.url + HEALTH_PATH, timeout_s=self.startup_timeout_s, interval_s=2.0)
-        except BaseException:
-            self.process.stop()
-            raise
+        self.process = start_server(cmd, log_path=log_path, health_url=self.url + HEALTH_PATH,
+                                    timeout_s=self.startup_timeout_s, interval_s=2.0, env=self.env,
+                                    name=f"sglang@{self.port}")
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:

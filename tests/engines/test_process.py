@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from proc_checks import port_free, running
 
-from slime.engines.process import ServerProcess, find_free_port, flags_to_argv
+from slime.engines.process import ServerProcess, find_free_port, flags_to_argv, server_url, start_server
 from slime.errors import EngineStartError
 
 pytestmark = pytest.mark.timeout(60)
@@ -128,6 +128,37 @@ def test_not_started_and_double_start(tmp_path):
     with proc, pytest.raises(RuntimeError, match="already started"):
         proc.start()
     assert not proc.alive
+
+
+def test_start_server_returns_the_healthy_server(tmp_path):
+    port = find_free_port()
+    cmd = [sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+    proc = start_server(cmd, log_path=tmp_path / "h.log", health_url=f"http://127.0.0.1:{port}/", timeout_s=20,
+                        interval_s=0.05, name="http.server")
+    try:
+        assert proc.alive and proc.name == "http.server" and not port_free(port)
+        assert '"GET / HTTP/1.1" 200' in proc.log_tail()  # it returned after a 200, not before
+    finally:
+        proc.stop()
+    assert port_free(port)
+
+
+def test_start_server_stops_the_whole_group_when_never_healthy(tmp_path):
+    """A server that never answers: start_server raises and leaves no process of its group behind."""
+    pidfile = tmp_path / "child.pid"
+    cmd = ["sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait"]
+    url = f"http://127.0.0.1:{find_free_port()}/health"
+    with pytest.raises(EngineStartError, match="did not answer 200") as err:
+        start_server(cmd, log_path=tmp_path / "s.log", health_url=url, timeout_s=1.0, interval_s=0.1, name="mute")
+    assert "mute" in str(err.value) and url in str(err.value)
+    assert not running(int(_wait_for_file(pidfile)))
+
+
+@pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
+                                           ("", "http://127.0.0.1:8000"), ("::1", "http://[::1]:8000"),
+                                           ("10.1.2.3", "http://10.1.2.3:8000")])
+def test_server_url(host, url):
+    assert server_url(host, 8000) == url
 
 
 def test_flags_to_argv():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from slime.engines.process import ServerProcess, find_free_port
+from slime.engines.process import ServerProcess, find_free_port, start_server
 
 
 def start_builtin_engine(
@@ -29,11 +29,7 @@ def start_builtin_engine(
     cmd = [sys.executable, "-m", "slime.engines.builtin", "--model", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--random-seed", str(random_seed),
            "--max-running-requests", str(max_running_requests), "--kv-cache", kv_cache]
-    process = ServerProcess(cmd, log_path=log_path, name=f"builtin-engine:{port}").start()
     url = f"http://{host}:{port}"
-    try:
-        process.wait_healthy(f"{url}/health_generate", timeout_s=timeout_s)
-    except BaseException:
-        process.stop()
-        raise
+    process = start_server(cmd, log_path=log_path, health_url=f"{url}/health_generate", timeout_s=timeout_s,
+                           name=f"builtin-engine:{port}")
     return process, url
