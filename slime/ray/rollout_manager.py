@@ -144,12 +144,13 @@ class RolloutManager:
 
     def _disk_weights(self, version: str) -> Path | None:
         """The HF directory disk-mode sync wrote for `version`, when sync.update_weight_disk_dir names it."""
+        from slime.sync.disk import weights_dir
         from slime.sync.syncer import resolve_mode
 
         s = self.config.sync
         if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.colocate) != "disk":
             return None
-        path = Path(s.update_weight_disk_dir) / f"weight_version_{version}"
+        path = weights_dir(s.update_weight_disk_dir, version)
         return path if (path / "config.json").is_file() else None
 
     def begin_weight_update(self) -> list[str]:

@@ -16,6 +16,11 @@ from slime.engines.client import EngineClient
 from slime.sync.common import NamedTensors, SyncResult, Timer, in_thread, nbytes, post_all
 
 
+def weights_dir(directory: str | Path, version: str) -> Path:
+    """Where disk mode writes weight version `version` under `directory` (a restarted engine loads it there too)."""
+    return Path(directory) / f"weight_version_{version}"
+
+
 class DiskSync:
     """Export to `directory`, then load on every engine."""
 
@@ -26,7 +31,7 @@ class DiskSync:
 
     async def send(self, client: EngineClient, urls: list[str], weights: NamedTensors, version: str,
                    result: SyncResult, timer: Timer, state: str) -> None:
-        target = self.directory / f"weight_version_{version}"
+        target = weights_dir(self.directory, version)
 
         def export() -> None:
             def counted() -> NamedTensors:
