@@ -3,13 +3,14 @@
 1. `prefect deployment run 'post-training/tiny-cpu' --watch` of the tiny pipeline that fails at export,
    then `prefect flow-run retry` after the fix, which completes with convert and sft Cached (~4 min).
 2. `evaluate/evaluate-newest` with an interval schedule: runs created by the server's scheduler (not by
-   `deployment run`) evaluate the watched run's newest committed checkpoint once, then skip (~6 min).
+   `deployment run`) evaluate the watched run's newest committed checkpoint once, then skip (~8 min).
 """
 
 import contextlib
 import json
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
 def slime_stage(*args: str, log: Path) -> None:
     """`python -m slime ARGS` (no Prefect) from the project root; asserts it succeeded."""
     with open(log, "a") as out:
-        done = subprocess.run([str(Path(PREFECT).parent / "python"), "-m", "slime", *args], cwd=ROOT, stdout=out,
+        done = subprocess.run([sys.executable, "-m", "slime", *args], cwd=ROOT, stdout=out,
                               stderr=subprocess.STDOUT, timeout=600)
     assert done.returncode == 0, f"slime {args[0]} failed:\n{tail(log)}"
 
