@@ -1,5 +1,5 @@
-"""What every stage task does around its one slime call: point the config at the run's locations,
-prepare the output location, time the phases and describe the result as JSON."""
+"""What every stage task does around its one slime call: the task decorator, point the config at the
+run's locations, prepare the output location, time the phases and describe the result as JSON."""
 
 from __future__ import annotations
 
@@ -8,16 +8,27 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prefect import task
 
 from slime.config import Config
 from slime.errors import StorageError
 from slime.storage import is_committed, read_manifest
 from slime.storage.fs import open_fs
 from slime.storage.manifest import verify_files
+from tasks._cache import StageCachePolicy
 
 logger = logging.getLogger(__name__)
+
+
+def stage_task(name: str, cache: StageCachePolicy, **options: Any) -> Callable[[Callable], Any]:
+    """`@task` of a stage `fn(config, run_id, inputs, output)`: run name `<name>-<run_id>` (unless
+    `task_run_name` is given), `cache` as its cache policy, its JSON result persisted so that a re-run
+    of the pipeline finds it; `options` are further `@task` arguments (tags, ...)."""
+    options.setdefault("task_run_name", f"{name}-{{run_id}}")
+    return task(name=name, cache_policy=cache, persist_result=True, result_serializer="json", **options)
 
 
 def with_fields(config: Config, **dotted: Any) -> Config:
@@ -72,6 +83,17 @@ def move_aside(fs: Any, path: str) -> str:
     fs.mv(path, aside, recursive=True)
     logger.warning("moved %s aside to %s", path, aside)
     return aside
+
+
+def start_stage(cache: StageCachePolicy, config: Config, inputs: dict[str, str], output: str, *,
+                resumable: bool = False) -> Phases:
+    """The phase timer of a stage run, its phase "prepare output" done: `prepare_output` for this
+    attempt (keyed by `cache.attempt_key`)."""
+    phases = Phases()
+    with phases.time("prepare output"):
+        prepare_output(output, cache.attempt_key(config, inputs, output), config.run.storage_options,
+                       resumable=resumable)
+    return phases
 
 
 class Phases:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-
 from slime.config import Config
 from slime.convert import run_convert
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 OUTPUT_NAME = "checkpoint"
 # config fields run_convert reads (its input and output locations are task arguments)
@@ -18,13 +16,10 @@ CONFIG_FIELDS = ("megatron", "run.seed")
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.convert",))
 
 
-@task(name="convert", task_run_name="convert-{run_id}", cache_policy=CACHE, persist_result=True,
-      result_serializer="json")
+@stage_task("convert", CACHE)
 def convert(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
     """Convert `inputs["hf_checkpoint"]` into `output` (a checkpoint save directory)."""
-    phases = Phases()
-    with phases.time("prepare output"):
-        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options)
+    phases = start_stage(CACHE, config, inputs, output)
     with phases.time("convert"):
         result = run_convert(with_fields(config, checkpoint__hf_checkpoint=inputs["hf_checkpoint"],
                                          checkpoint__save=output))

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
 from prefect.runtime import task_run
 
 from slime.config import Config
 from slime.evaluate import run_evaluate
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 # what an eval result depends on besides the checkpoint and the eval datasets (inputs); the same
 # sections as slime.evaluate.eval_settings, whose key also names the output directory
@@ -28,13 +27,10 @@ def eval_run_name() -> str:
     return f"evaluate-{params['run_id']}-{params['output'].rstrip('/').rsplit('/', 1)[-1]}"
 
 
-@task(name="evaluate", task_run_name=eval_run_name, cache_policy=CACHE, persist_result=True,
-      result_serializer="json", tags=[GPU_TAG])
+@stage_task("evaluate", CACHE, task_run_name=eval_run_name, tags=[GPU_TAG])
 def evaluate(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
     """Evaluate `inputs["load"]` (eval datasets: the other inputs); `output` is where plan_evaluate puts it."""
-    phases = Phases()
-    with phases.time("prepare output"):
-        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options)
+    phases = start_stage(CACHE, config, inputs, output)
     with phases.time("evaluate"):
         result = run_evaluate(with_fields(config, checkpoint__load=inputs["load"], eval__eval_watch_run=None))
     if result["result"] != output:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-
 from slime.config import Config
 from slime.rejection_sampling import run_rejection_sampling
 from slime.storage import manifest_hash
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 # what the sampled and accepted set depends on besides the policy and the prompts (inputs)
 CONFIG_FIELDS = ("rejection_sampling", "rollout", "reward", "data", "engine", "sglang", "run.seed")
@@ -19,16 +17,13 @@ CONFIG_FIELDS = ("rejection_sampling", "rollout", "reward", "data", "engine", "s
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rejection_sampling",))
 
 
-@task(name="rejection_sampling", task_run_name="rejection_sampling-{run_id}", cache_policy=CACHE,
-      persist_result=True, result_serializer="json")
+@stage_task("rejection_sampling", CACHE)
 def rejection_sampling(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
     """Sample `inputs["load"]` (a checkpoint or HF dir) on `inputs["prompt_data"]`; `output` is the stage directory.
 
     A re-run (no intact cached result) starts over: the earlier attempt's directory is moved aside.
     """
-    phases = Phases()
-    with phases.time("prepare output"):
-        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options)
+    phases = start_stage(CACHE, config, inputs, output)
     with phases.time("sample and score"):
         result = run_rejection_sampling(with_fields(config, rejection_sampling__rs_policy=inputs["load"],
                                                     rejection_sampling__rs_prompt_data=inputs["prompt_data"]))

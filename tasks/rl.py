@@ -25,7 +25,7 @@ from slime.rl import RLLoop, read_metrics
 from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, move_aside, prepare_output, stage_result, with_fields
+from tasks._stage import Phases, move_aside, stage_result, stage_task, start_stage, with_fields
 from tasks.evaluate import GPU_TAG
 
 OUTPUT_NAME = "checkpoint"
@@ -126,15 +126,14 @@ def drive(loop: RLLoop, run_id: str, phases: Phases) -> list[dict[str, Any]]:
     return rows
 
 
-@task(name="rl", task_run_name="rl-{run_id}", cache_policy=CACHE, persist_result=True, result_serializer="json")
+@stage_task("rl", CACHE)
 def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
     """RL from `inputs["load"]` on `inputs["prompt_data"]` (tokenizer/engines: `inputs["hf_checkpoint"]`).
 
     `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same attempt.
     """
-    phases = Phases()
+    phases = start_stage(CACHE, config, inputs, output, resumable=True)
     with phases.time("prepare output"):
-        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options, resumable=True)
         if latest_checkpoint(output) is None:
             set_aside_step_outputs(config, run_id)
     loop = RLLoop(with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,

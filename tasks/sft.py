@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-
 from slime.config import Config
 from slime.sft import run_sft
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, prepare_output, stage_result, with_fields
+from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 OUTPUT_NAME = "checkpoint"
 # config fields run_sft reads besides its inputs (model, data, tokenizer) and output location;
@@ -20,16 +18,13 @@ CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "train", "algorithm.ca
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",))
 
 
-@task(name="sft", task_run_name="sft-{run_id}", cache_policy=CACHE, persist_result=True,
-      result_serializer="json")
+@stage_task("sft", CACHE)
 def sft(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
     """Fine-tune `inputs["load"]` on `inputs["sft_data"]` (tokenizer from `inputs["hf_checkpoint"]`).
 
     A re-run after a failure resumes from the newest intact SFT checkpoint of the same attempt.
     """
-    phases = Phases()
-    with phases.time("prepare output"):
-        prepare_output(output, CACHE.attempt_key(config, inputs, output), config.run.storage_options, resumable=True)
+    phases = start_stage(CACHE, config, inputs, output, resumable=True)
     with phases.time("sft"):
         result = run_sft(with_fields(config, checkpoint__load=inputs["load"], sft__sft_data=inputs["sft_data"],
                                      checkpoint__hf_checkpoint=inputs["hf_checkpoint"], checkpoint__save=output))

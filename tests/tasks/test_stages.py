@@ -1,5 +1,6 @@
 """Stage tasks called through `task.fn` (no Prefect API): JSON results naming committed artifacts."""
 
+import importlib
 import json
 
 import pytest
@@ -83,6 +84,19 @@ def test_sft_rerun_of_a_failed_attempt_resumes_from_its_checkpoint(kit_config, c
     again = sft.fn(config, "r", inputs, str(save))
     assert again["metrics"]["resumed_from"] == str(save / "iter_0000001")
     assert again["metrics"]["last_loss"] == pytest.approx(first["metrics"]["last_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["convert", "sft", "rejection_sampling", "rl", "evaluate", "export"])
+def test_stage_tasks_persist_json_results_under_their_cache_policy(stage):
+    """A pipeline re-run finds a stage's result only if the task persists it (as JSON) under its policy."""
+    module = importlib.import_module(f"tasks.{stage}")
+    stage_task = getattr(module, stage)
+    assert stage_task.name == stage and stage_task.cache_policy is module.CACHE
+    assert stage_task.persist_result is True and stage_task.result_serializer == "json"
+    if stage == "evaluate":  # its own run name (the checkpoint it evaluates) and the GPU concurrency tag
+        assert stage_task.task_run_name is module.eval_run_name and stage_task.tags == {module.GPU_TAG}
+    else:
+        assert stage_task.task_run_name == f"{stage}-{{run_id}}"
 
 
 def test_with_fields_validates_and_leaves_the_original(kit_config):
