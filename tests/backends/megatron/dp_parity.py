@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from multirank import rank_env
+from parity_samples import LENGTHS, make_samples
 from safetensors.torch import save_file
 
 from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
@@ -22,24 +23,8 @@ from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
 from slime.backends.megatron.train import StepSettings, train_step
 from slime.backends.megatron.whiten import whiten_over_dp
-from slime.types import Sample
 
 STEPS = 2
-LENGTHS = [(4, 6), (9, 2), (3, 8), (6, 5), (2, 3), (7, 7)]
-
-
-def make_samples(vocab: int) -> list[Sample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for i, (prompt_len, response_len) in enumerate(LENGTHS):
-        tokens = torch.randint(0, vocab, (prompt_len + response_len,), generator=generator).tolist()
-        mask = [1] * response_len
-        mask[0] = 0
-        samples.append(Sample(index=i, tokens=tokens, response_length=response_len, loss_mask=mask,
-                              metadata={"advantage": float(i % 3) - 1.0}))
-    return samples
-
-
 def jitter(values: torch.Tensor, amount: float, seed: int) -> torch.Tensor:
     """`values` plus uniform noise in [-amount, amount)."""
     generator = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+from parity_samples import make_samples, padded
 from transformers import AutoModelForCausalLM
 
 from slime.algorithms.kl import compute_approx_kl
@@ -33,30 +34,10 @@ from slime.types import Sample
 LR = 0.5
 
 
-def make_samples(vocab: int) -> list[Sample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for i, (prompt_len, response_len) in enumerate([(4, 6), (9, 2), (3, 8), (6, 5), (2, 3), (7, 7)]):
-        tokens = torch.randint(0, vocab, (prompt_len + response_len,), generator=generator).tolist()
-        mask = [1] * response_len
-        mask[0] = 0  # e.g. a tool token: not trained
-        samples.append(Sample(index=i, tokens=tokens, response_length=response_len, loss_mask=mask,
-                              rollout_log_probs=(-torch.rand(response_len, generator=generator)).tolist(),
-                              metadata={"advantage": float(i % 3) - 1.0}))
-    return samples
-
-
 def near(values: list[torch.Tensor], low: float, high: float, seed: int) -> list[torch.Tensor]:
     """`values` moved by uniform noise in [low, high): old/ref log-probs near the current policy's."""
     generator = torch.Generator().manual_seed(seed)
     return [v + low + (high - low) * torch.rand(v.shape, generator=generator) for v in values]
-
-
-def padded(rows: list, samples: list[Sample], width: int) -> torch.Tensor:
-    out = torch.zeros(len(samples), width)
-    for row, (value, s) in enumerate(zip(rows, samples, strict=True)):
-        out[row, : s.response_length] = torch.as_tensor(value, dtype=torch.float32)
-    return out
 
 
 def hf_step(hf_dir: str, samples: list[Sample], s: StepSettings, arrays: TrainArrays) -> tuple[dict, float]:
@@ -75,14 +56,14 @@ def hf_step(hf_dir: str, samples: list[Sample], s: StepSettings, arrays: TrainAr
         logp_rows.append(torch.cat([scores, torch.zeros(width - n)]))
         entropy_rows.append(torch.cat([entropy_from_logits(logits), torch.zeros(width - n)]))
     logp, entropy = torch.stack(logp_rows), torch.stack(entropy_rows)
-    mask = padded([x.loss_mask for x in samples], samples, width).bool()
+    mask = padded([x.loss_mask for x in samples], width).bool()
     if arrays.advantages is not None:
         adv = padded([a if not isinstance(a, float) else [a] * x.response_length
-                      for a, x in zip(arrays.advantages, samples, strict=True)], samples, width)
+                      for a, x in zip(arrays.advantages, samples, strict=True)], width)
     else:
-        adv = padded([[x.metadata["advantage"]] * x.response_length for x in samples], samples, width)
-    rollout = padded([x.rollout_log_probs for x in samples], samples, width)
-    train_old = padded(arrays.old_log_probs, samples, width) if arrays.old_log_probs else logp.detach()
+        adv = padded([[x.metadata["advantage"]] * x.response_length for x in samples], width)
+    rollout = padded([x.rollout_log_probs for x in samples], width)
+    train_old = padded(arrays.old_log_probs, width) if arrays.old_log_probs else logp.detach()
     old = rollout if s.use_rollout_logprobs else train_old
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +83,7 @@ def hf_step(hf_dir: str, samples: list[Sample], s: StepSettings, arrays: TrainAr
             pg = pg * tis_weights(train_old, rollout, s.tis_clip_low, s.tis_clip, mask)
         loss = reduce(pg) - s.entropy_coef * reduce(entropy)
         if s.use_kl_loss:
-            ref = padded(arrays.ref_log_probs, samples, width)
+            ref = padded(arrays.ref_log_probs, width)
             loss = loss + s.kl_loss_coef * reduce(compute_approx_kl(logp, ref, s.kl_loss_type))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

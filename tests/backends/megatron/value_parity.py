@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 from megatron.core.utils import get_attr_wrapped_model
+from parity_samples import make_samples, padded
 from transformers import AutoModelForCausalLM
 
 from slime.algorithms.policy_loss import value_loss
@@ -24,17 +25,6 @@ from slime.types import Sample
 
 LR = 0.1
 VALUE_CLIP = 0.05
-
-
-def make_samples(vocab: int) -> list[Sample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for i, (prompt_len, response_len) in enumerate([(4, 6), (9, 2), (3, 8), (6, 5), (2, 3), (7, 7)]):
-        tokens = torch.randint(0, vocab, (prompt_len + response_len,), generator=generator).tolist()
-        mask = [1] * response_len
-        mask[-1] = 0
-        samples.append(Sample(index=i, tokens=tokens, response_length=response_len, loss_mask=mask))
-    return samples
 
 
 class HFCritic(torch.nn.Module):
@@ -57,17 +47,13 @@ class HFCritic(torch.nn.Module):
         return out
 
 
-def padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.stack([torch.cat([r, torch.zeros(width - len(r))]) for r in rows])
-
-
 def main() -> None:
     hf_dir = sys.argv[1]
     init_megatron(seed=0)
     bridge = make_bridge(hf_dir)
     critic = build_critic(bridge, hf_dir)
     head = get_attr_wrapped_model(critic[0], "output_layer").weight.detach().clone()
-    samples = make_samples(bridge.hf_config.vocab_size)
+    samples = make_samples(bridge.hf_config.vocab_size, untrained=-1)
     values = compute_values(critic, samples, use_dynamic_batch_size=True, max_tokens_per_gpu=30)
     hf = HFCritic(hf_dir, head)
     with torch.no_grad():
@@ -86,7 +72,7 @@ def main() -> None:
     # the same step by hand
     sgd = torch.optim.SGD(hf.parameters(), lr=LR)
     width = max(x.response_length for x in samples)
-    mask = padded([torch.tensor(x.loss_mask, dtype=torch.float32) for x in samples], width).bool()
+    mask = padded([x.loss_mask for x in samples], width).bool()
     out = value_loss(padded(hf.values(samples), width), padded(old_values, width), padded(returns, width), mask,
                      VALUE_CLIP)
     loss = sample_mean(out.loss, mask)
