@@ -129,6 +129,8 @@ def main() -> None:
                         help="also time the engine in this process (no HTTP server): the engine's own cost")
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "dynamic"],
                         help="the engine's KV cache (auto: slots with CUDA graphs on CUDA)")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="engine: wait for each step's tokens before launching the next decode")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes sharing the requests (1: the benchmark's own event loop)")
     args = parser.parse_args()
@@ -151,7 +153,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),
-                                            kv_cache=args.kv_cache)
+                                            kv_cache=args.kv_cache,
+                                            extra_args=["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
         pool = (ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
                 if args.client_procs > 1 else None)
         try:
@@ -176,7 +179,8 @@ def main() -> None:
         from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 
         engine = BuiltinEngine(EngineArgs(model_path=args.model, device=args.device, dtype=args.dtype,
-                                          max_running_requests=max(256, args.requests), kv_cache=args.kv_cache))
+                                          max_running_requests=max(256, args.requests), kv_cache=args.kv_cache,
+                                          disable_overlap_schedule=args.disable_overlap_schedule))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
             times = [asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens)) for _ in range(args.repeats)]

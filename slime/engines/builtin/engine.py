@@ -57,6 +57,7 @@ class EngineArgs:
     kv_cache: str = "auto"  # auto (slots on CUDA for Qwen2/Qwen3/Llama), slots, dynamic
     disable_cuda_graph: bool = False
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
+    disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -90,6 +91,7 @@ class BuiltinEngine:
             self.model, self.tokenizer, device=self.device, seed=args.random_seed,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
+            overlap=not args.disable_overlap_schedule,
         )
         self.scheduler.weight_version = args.weight_version
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
@@ -289,6 +291,7 @@ class BuiltinEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
                                  "prefills": self.scheduler.prefills,
+                                 "decodes_ahead": self.scheduler.decodes_ahead,
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,

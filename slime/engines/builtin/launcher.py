@@ -20,15 +20,17 @@ def start_builtin_engine(
     max_running_requests: int = 256,
     kv_cache: str = "auto",
     timeout_s: float = 180.0,
+    extra_args: list[str] | tuple[str, ...] = (),
 ) -> tuple[ServerProcess, str]:
     """Launch `python -m slime.engines.builtin` on a free port; return the process and its URL.
 
     The process is stopped again if it does not answer `/health_generate` within `timeout_s`.
+    `extra_args` are more server flags (`python -m slime.engines.builtin --help`).
     """
     port = port or find_free_port(host)
     cmd = [sys.executable, "-m", "slime.engines.builtin", "--model", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--random-seed", str(random_seed),
-           "--max-running-requests", str(max_running_requests), "--kv-cache", kv_cache]
+           "--max-running-requests", str(max_running_requests), "--kv-cache", kv_cache, *extra_args]
     url = f"http://{host}:{port}"
     process = start_server(cmd, log_path=log_path, health_url=f"{url}/health_generate", timeout_s=timeout_s,
                            name=f"builtin-engine:{port}")

@@ -81,6 +81,9 @@ class _SlotBatch:
     requests: list[Request]
     next_tokens: torch.Tensor  # [B]
     lengths: list[int]
+    # logits [B, V] of the decode already launched with `next_tokens` (whose positions `lengths`
+    # already counts), or None: see `Scheduler._decode`
+    pending: torch.Tensor | None = None
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -112,6 +115,7 @@ class Scheduler:
         kv_cache: str = "auto",
         cuda_graphs: bool = True,
         max_slot_len: int = 4096,
+        overlap: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -131,6 +135,7 @@ class Scheduler:
         if self.kv_cache == "slots":  # every request must fit its slot
             self.context_length = min(self.context_length, max_slot_len)
         self.cuda_graphs = cuda_graphs
+        self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
         self._slots: SlotDecoder | None = None
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -150,6 +155,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="builtin-engine", daemon=True)
         self.steps = 0
         self.prefills = 0  # prefill forwards run (admission groups), reported by /server_info
+        self.decodes_ahead = 0  # slot decodes launched before the previous step's tokens were on the host
         self.generated_tokens = 0
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -326,6 +332,7 @@ class Scheduler:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self._discard_pending()  # e.g. new weights: the next token must come from them
             try:
                 with torch.inference_mode():
                     future.set_result(fn())
@@ -348,7 +355,9 @@ class Scheduler:
 
     def _step(self) -> None:
         room = self.max_running_requests - (len(self._batch.requests) if self._batch else 0)
-        if room > 0 and self._waiting and (self._batch is None or self._group_closed(room)):
+        batch = self._batch
+        ahead = isinstance(batch, _SlotBatch) and batch.pending is not None  # its new rows would lack logits
+        if room > 0 and self._waiting and (batch is None or (not ahead and self._group_closed(room))):
             self.prefills += 1
             admitted, self._waiting = self._waiting[:room], self._waiting[room:]
             scoring = [r for r in admitted if r.params.max_new_tokens == 0]
@@ -410,17 +419,50 @@ class Scheduler:
     def _decode(self) -> None:
         batch = self._batch  # every row is running: finished rows were dropped after prefill and aborts
         if isinstance(batch, _SlotBatch):
-            logits = self._slots.decode(batch.next_tokens, batch.lengths)
-            batch.lengths = [n + 1 for n in batch.lengths]
-            batch.next_tokens = self._choose(batch.requests, logits)
+            self._decode_slots(batch)
             return
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
         batch.next_tokens = self._choose(batch.requests, logits)
 
+    def _decode_slots(self, batch: _SlotBatch) -> None:
+        """One slot-cache step, overlapped with the host: the sampled tokens stay on the device and
+        feed the next decode, launched before this step's tokens reach the host; its logits wait in
+        `batch.pending` while the host records this step (stop checks, replies), so the GPU is not
+        idle during that bookkeeping. Rows that finish now were decoded once more for nothing; their
+        pending rows are dropped with them (`_compact_slots`). Nothing is launched ahead while
+        requests wait to join (their rows would lack pending logits)."""
+        if batch.pending is not None:
+            logits, batch.pending = batch.pending, None
+        else:
+            logits = self._slots.decode(batch.next_tokens, batch.lengths)
+            batch.lengths = [n + 1 for n in batch.lengths]
+        tokens, logprobs = self._sample(batch.requests, logits)
+        batch.next_tokens = tokens
+        fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
+        if self.overlap and not self._waiting and self._inbox.empty():
+            batch.pending = self._slots.decode(tokens, batch.lengths)
+            batch.lengths = [n + 1 for n in batch.lengths]
+            self.decodes_ahead += 1
+        self._record(batch.requests, *fetch())
+
+    def _discard_pending(self) -> None:
+        """Forget the decode launched ahead: the next step feeds the same tokens at the same
+        positions again (rewriting the same cache entries)."""
+        batch = self._batch
+        if isinstance(batch, _SlotBatch) and batch.pending is not None:
+            batch.pending = None
+            batch.lengths = [n - 1 for n in batch.lengths]
+
     def _choose(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Sample the next token of every row that is still running and record it."""
+        tokens, logprobs = self._sample(requests, logits)
+        self._record(requests, *self._copy_to_host(tokens, logprobs)())
+        return tokens
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the sampler: tokens and their log-probs, on the logits' device (no host sync)."""
         for row, request in enumerate(requests):
             if len(request.output_ids) < request.params.min_new_tokens:
                 banned = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else list(self.eos_ids))
@@ -434,7 +476,10 @@ class Scheduler:
             torch.tensor([x.top_k for x in p], dtype=torch.long),
             torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
         )
-        token_list, logprob_list = self._to_host(tokens, logprobs)
+        return tokens, logprobs
+
+    def _record(self, requests: list[Request], token_list: list[int], logprob_list: list[float]) -> None:
+        """Append each running row's token and log-prob (host lists) and check whether it stops."""
         for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
             if request.finish_reason is None:
                 output = request.output_ids
@@ -444,19 +489,24 @@ class Scheduler:
                 # one set lookup per token at 256 rows; the full check only when it may stop
                 if token in request.stop_ids or request.params.stop or len(output) >= request.limit:
                     self._check_stop(request)
-        return tokens
 
-    def _to_host(self, *tensors: torch.Tensor) -> list[list[Any]]:
-        """Copy step results to the host. On CUDA the wait happens in `Event.synchronize`, which
-        releases the GIL, so the HTTP thread accepts and answers requests while the GPU computes
-        (a plain `.tolist()` would hold the GIL for the whole step)."""
+    def _copy_to_host(self, *tensors: torch.Tensor) -> Callable[[], list[list[Any]]]:
+        """Start copying step results to the host; the returned function waits for them. On CUDA
+        the wait happens in `Event.synchronize`, which releases the GIL, so the HTTP thread accepts
+        and answers requests while the GPU computes (a plain `.tolist()` would hold the GIL for the
+        whole step); work launched after this call is not waited for."""
         if self.device.type != "cuda":
-            return [t.tolist() for t in tensors]
+            lists = [t.tolist() for t in tensors]
+            return lambda: lists
         host = [t.to("cpu", non_blocking=True) for t in tensors]
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
-        return [t.tolist() for t in host]
+
+        def wait() -> list[list[Any]]:
+            done.synchronize()
+            return [t.tolist() for t in host]
+
+        return wait
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.params, request.output_ids[-1]
@@ -548,7 +598,10 @@ class Scheduler:
         order = order[:size]
         batch.requests = [batch.requests[i] for i in order]
         batch.lengths = [batch.lengths[i] for i in order]
-        batch.next_tokens = batch.next_tokens.index_select(0, torch.tensor(order, device=self.device))
+        order_index = torch.tensor(order, device=self.device)
+        batch.next_tokens = batch.next_tokens.index_select(0, order_index)
+        if batch.pending is not None:
+            batch.pending = batch.pending.index_select(0, order_index)
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason

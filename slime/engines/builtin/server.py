@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: a slot cache with graph-captured decoding on CUDA (Qwen2/Qwen3/Llama), "
                              "else the dynamic cache")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="slot mode: decode eagerly")
+    parser.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="slot mode: do not launch the next decode before the host has this step's tokens")
     parser.add_argument("--max-slot-tokens", type=int, default=4096,
                         help="slot mode: the most tokens (prompt + new) one request may hold")
     parser.add_argument("--log-level", default="info")
