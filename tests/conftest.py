@@ -3,6 +3,8 @@
 import contextlib
 import functools
 import os
+import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,17 @@ def engine_cluster(tiny_kit):
     """`engine_cluster(log_dir, engines=2, dtype="auto", **router_options)`: a context manager giving
     built-in engines on the tiny kit behind the real router, for module- or session-scoped fixtures."""
     return functools.partial(_engine_cluster, str(tiny_kit.model_dir))
+
+
+@pytest.fixture
+def make_module(tmp_path, monkeypatch):
+    """`make(source)` writes `source` (dedented) as a uniquely named module on sys.path and returns its
+    name: a user's plugin module, for dotted-path settings like `<name>.<function>`."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(source: str) -> str:
+        name = f"user_module_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    return make

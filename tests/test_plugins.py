@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import functools
-import textwrap
-import uuid
 
 import pytest
 
 from slime.errors import ConfigError
 from slime.plugins import PluginError, check_signature, load_function
-
-
-@pytest.fixture
-def make_module(tmp_path, monkeypatch):
-    """Write a uniquely named module into tmp_path (put on sys.path) and return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def make(source: str) -> str:
-        name = f"plug_{uuid.uuid4().hex[:8]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    return make
 
 
 def test_loads_function_and_caches(make_module):

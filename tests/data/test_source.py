@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import textwrap
-import uuid
 
 import pytest
 
@@ -31,19 +29,6 @@ def as_dicts(batches: list[list[list[Sample]]]) -> list:
 
 def draw(source: RolloutDataSource, batches: int, size: int) -> list[list[list[Sample]]]:
     return [source.get_samples(size) for _ in range(batches)]
-
-
-@pytest.fixture
-def make_module(tmp_path, monkeypatch):
-    """Write a uniquely named module into tmp_path (put on sys.path) and return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def make(source: str) -> str:
-        name = f"user_filters_{uuid.uuid4().hex[:8]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    return make
 
 
 def partial_group(source: RolloutDataSource, tag: str) -> list[Sample]:

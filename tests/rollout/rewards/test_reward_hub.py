@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import textwrap
-import uuid
 from argparse import Namespace
 
 import pytest
@@ -14,19 +12,6 @@ from slime.errors import ConfigError
 from slime.plugins import PluginError
 from slime.rollout.rewards import RewardTypeError, check_reward_config, compute_reward, reward_samples
 from slime.types import Sample, Status
-
-
-@pytest.fixture
-def make_module(tmp_path, monkeypatch):
-    """Write a uniquely named module into tmp_path (put on sys.path) and return its name."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def make(source: str) -> str:
-        name = f"rm_{uuid.uuid4().hex[:8]}"
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        return name
-
-    return make
 
 
 def args(**kw) -> Namespace:
