@@ -10,9 +10,10 @@ aborts the process (SIGABRT) right after; measured: `slime rl` left its engines 
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -47,3 +48,23 @@ def keep_sigterm_handler() -> Iterator[None]:
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
+
+
+def unwrap_signal_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Let a signal handler's exception out of `fn` as itself. Ray's Cython `CoreWorker.wait` reports an
+    exception raised by a handler while it blocks (SIGTERM during a train step: `SystemExit`, or Prefect's
+    `TerminationSignal`) as `SystemError("... returned a result with an exception set")`, the handler's
+    exception as its cause; Prefect then records an ordinary failure and the process exits 1 instead of
+    stopping as the handler asked (measured with `python -m flows.rl`)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SystemError as exc:
+            inner = exc.__cause__ or exc.__context__
+            if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+                raise inner from exc
+            raise
+
+    return call

@@ -32,3 +32,20 @@ def test_a_handler_replaced_inside_the_block_is_put_back():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_handler_exception_reported_as_system_error_by_a_c_extension_comes_out_as_itself():
+    from slime.signals import unwrap_signal_errors
+
+    @unwrap_signal_errors
+    def blocked_in_ray_wait(cause: BaseException):
+        try:
+            raise cause
+        except BaseException as inner:  # what CPython does when a C call returns with an exception set
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from inner
+
+    with pytest.raises(SystemExit) as stopped:
+        blocked_in_ray_wait(SystemExit(143))
+    assert stopped.value.code == 143
+    with pytest.raises(SystemError):  # an ordinary error stays what it was
+        blocked_in_ray_wait(ValueError("not a signal"))

@@ -32,7 +32,7 @@ from slime.config import Config
 from slime.errors import ConfigError
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
-from slime.signals import keep_sigterm_handler
+from slime.signals import keep_sigterm_handler, unwrap_signal_errors
 from slime.storage import ArtifactStore
 from slime.storage.fs import is_local, open_fs
 
@@ -120,6 +120,7 @@ class RLLoop:
                 self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus,
                                                   num_gpus=self.num_gpus)
 
+    @unwrap_signal_errors
     def setup(self) -> dict[str, Any]:
         """Start Ray (or join it), the placement, the rollout manager and the train group; restore the
         data-source state of a resumed checkpoint; push the trainer's weights into the engines."""
@@ -219,6 +220,7 @@ class RLLoop:
         self._states[rollout_id] = state
         return ray.get(generate)
 
+    @unwrap_signal_errors
     def rollout(self, rollout_id: int) -> dict[str, Any]:
         """Generate rollout `rollout_id` (or collect it, launched by the previous step in async mode)
         into the store; async: launch the next one before returning."""
@@ -235,6 +237,7 @@ class RLLoop:
         self._step(rollout_id).update(metrics)
         return {"rollout_id": rollout_id, "uri": uri, "wait_s": wait, **headline(metrics)}
 
+    @unwrap_signal_errors
     def train(self, rollout_id: int, uri: str) -> dict[str, Any]:
         """Train on the shard set `uri`; the train group's global metrics."""
         if self.offload_train:
@@ -246,6 +249,7 @@ class RLLoop:
     def sync_due(self, rollout_id: int) -> bool:
         return (rollout_id + 1) % self.config.sync.update_weights_interval == 0 or self.eval_due(rollout_id)
 
+    @unwrap_signal_errors
     def sync(self, rollout_id: int) -> dict[str, Any]:
         """Push the weights trained on `rollout_id` into the engines when due (weight_version id+1);
         with colocated offload, engines take their memory back first and train ranks release theirs after."""
@@ -293,6 +297,7 @@ class RLLoop:
             return bool(e.eval_interval) and rollout_id == 0 and not e.skip_eval_before_train
         return _due(rollout_id, e.eval_interval, self.num_rollout)
 
+    @unwrap_signal_errors
     def maybe_eval(self, rollout_id: int, before_train: bool = False) -> dict[str, Any]:
         """Evaluate the engines' current weights when due; stored as eval step `weight_version`."""
         import ray
@@ -311,6 +316,7 @@ class RLLoop:
         return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout)
                                   or rollout_id + 1 == self.num_rollout)
 
+    @unwrap_signal_errors
     def maybe_save(self, rollout_id: int) -> dict[str, Any]:
         """When due, commit the train group's checkpoint `rollout_id` with the data-source state after
         its batch (cursor and partial-rollout buffer): a rerun resumes with the next batch."""
@@ -332,6 +338,7 @@ class RLLoop:
         self._step(rollout_id).update({"perf/save_s": seconds})
         return {"rollout_id": rollout_id, "saved": True, "path": self.last_checkpoint, "save_s": seconds}
 
+    @unwrap_signal_errors
     def log_step(self, rollout_id: int) -> dict[str, Any]:
         """Write the step's record (headline numbers first, then every scalar) and return it."""
         metrics = self._steps.pop(rollout_id, {})
