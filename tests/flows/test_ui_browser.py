@@ -7,16 +7,20 @@ Screenshots land in the test's tmp dir; with SLIME_SCREENSHOT_DIR=docs/images th
 there (that is how docs/images/prefect-flow-run.png, shown in the README, was made).
 """
 
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from prefect_server import ROOT, prefect_server, tail
+
+log = logging.getLogger(__name__)
 
 RUN_ID = "ui"
 STAGES = ("convert", "sft", "rejection_sampling", "rl", "evaluate", "export")
@@ -27,7 +31,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 # tall enough that the run graph, the tab bar and every artifact card render at once: the artifact
 # lists are virtual scrollers that draw only what is inside the viewport
 VIEWPORT = {"width": 1440, "height": 1200}
-UI_TIMEOUT_MS = 60_000  # the SPA on the loaded 2-core machine: seconds per view, more while tests run
+UI_TIMEOUT_MS = 90_000  # every wait and click: the SPA on the 2-core machine at load 40 takes tens of seconds a view
 
 
 def browser_or_fail() -> str:
@@ -75,7 +79,7 @@ def assert_artifact_cards(page, expected: dict[str, str]) -> None:
 
     for key, kind in expected.items():
         card = page.locator(".artifact-card").filter(has_text=key).first
-        expect(card).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(card).to_be_visible()
         assert card.inner_text().split("\n")[:2] == [kind.upper(), key], card.inner_text()
 
 
@@ -83,19 +87,19 @@ def check_flow_run_pages(page, url: str, flow_run_id: str, workdir: Path) -> Non
     """The pipeline's flow run page and rl's, as a user clicks through them; screenshots into `workdir`."""
     from playwright.sync_api import expect
 
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     tabs = page.locator(".p-tab-navigation")
     page.goto(f"{url}/runs/flow-run/{flow_run_id}")
-    expect(page.get_by_text(f"post-training-{RUN_ID}", exact=True).first).to_be_visible(
-        timeout=UI_TIMEOUT_MS)
-    expect(page.locator(".state-badge").first).to_have_text("Completed", timeout=UI_TIMEOUT_MS)
+    expect(page.get_by_text(f"post-training-{RUN_ID}", exact=True).first).to_be_visible()
+    expect(page.locator(".state-badge").first).to_have_text("Completed")
 
     # the stage subflow runs, each Completed, by their run names
     tabs.get_by_text("Subflow Runs", exact=True).click()
     for stage in STAGES:
-        expect(page.get_by_role("link", name=f"{stage}-{RUN_ID}", exact=True)).to_be_visible(
-            timeout=UI_TIMEOUT_MS)
+        expect(page.get_by_role("link", name=f"{stage}-{RUN_ID}", exact=True)).to_be_visible()
     runs = page.locator(".flow-run-list-item")
-    expect(runs).to_have_count(len(STAGES), timeout=UI_TIMEOUT_MS)
+    expect(runs).to_have_count(len(STAGES))
     for i in range(len(STAGES)):
         expect(runs.nth(i).locator(".state-badge")).to_have_text("Completed")
     page.wait_for_load_state("networkidle")  # the run graph's canvas has drawn its nodes
@@ -109,10 +113,10 @@ def check_flow_run_pages(page, url: str, flow_run_id: str, workdir: Path) -> Non
     # rl's run: its step task runs, then its report, metrics table and finished progress bar
     tabs.get_by_text("Subflow Runs", exact=True).click()
     page.get_by_role("link", name=f"rl-{RUN_ID}", exact=True).click()
-    expect(page.get_by_text("Parent Run")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    expect(page.get_by_text("Parent Run")).to_be_visible()
     tabs.get_by_text("Task Runs", exact=True).click()
     for name in (f"rl-{RUN_ID}", "rollout-0000", "train-0000", "rollout-0001", "train-0001"):
-        expect(page.get_by_role("link", name=name, exact=True)).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(page.get_by_role("link", name=name, exact=True)).to_be_visible()
     tabs.get_by_text("Artifacts", exact=True).click()
     assert_artifact_cards(page, {f"{RUN_ID}-rl-report": "markdown", f"{RUN_ID}-rl-metrics": "table",
                                  f"{RUN_ID}-rl-progress": "progress"})
@@ -122,7 +126,7 @@ def check_flow_run_pages(page, url: str, flow_run_id: str, workdir: Path) -> Non
 
     # the report, rendered
     page.locator(".artifact-card").filter(has_text=f"{RUN_ID}-rl-report").first.click()
-    expect(page.get_by_role("heading", name=f"rl - run {RUN_ID}")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    expect(page.get_by_role("heading", name=f"rl - run {RUN_ID}")).to_be_visible()
     for section in ("Artifacts", "Metrics", "Time per phase", "Configuration in the cache key"):
         expect(page.get_by_role("heading", name=section, exact=True)).to_be_visible()
 
@@ -132,15 +136,16 @@ def check_flow_run_pages(page, url: str, flow_run_id: str, workdir: Path) -> Non
     tabs.get_by_text("Artifacts", exact=True).click()
     page.locator(".artifact-card").filter(has_text=f"{RUN_ID}-rl-metrics").first.click()
     page.get_by_role("link", name=f"{RUN_ID}-rl-metrics", exact=True).first.click()
-    expect(page).to_have_url(re.compile(f"/artifacts/key/{RUN_ID}-rl-metrics"), timeout=UI_TIMEOUT_MS)
+    expect(page).to_have_url(re.compile(f"/artifacts/key/{RUN_ID}-rl-metrics"))
     versions = page.locator("a[href*='/artifacts/artifact/']")
-    expect(versions).to_have_count(2, timeout=UI_TIMEOUT_MS)  # one per iteration; the newest first
+    expect(versions).to_have_count(2)  # one per iteration; the newest first
     versions.first.click()
     table = page.locator("table").first
-    expect(table.locator("tbody tr")).to_have_count(2, timeout=UI_TIMEOUT_MS)
+    expect(table.locator("tbody tr")).to_have_count(2)
     for column in ("iteration", "reward_mean", "grad_norm", "prefect_s"):
         expect(table.locator("th", has_text=column).first).to_be_attached()
     expect(table.locator("tbody tr").nth(1).locator("td").first).to_have_text("1")
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
@@ -148,8 +153,12 @@ def test_flow_run_page_shows_the_stages_and_artifacts(tiny_kit, tmp_path):
     executable = browser_or_fail()
     from playwright.sync_api import sync_playwright
 
+    started = time.monotonic()
     with prefect_server(tmp_path) as server:
+        log.info("prefect server healthy after %.0f s", time.monotonic() - started)
+        started = time.monotonic()
         run_pipeline(server, tiny_kit, tmp_path)
+        log.info("pipeline took %.0f s", time.monotonic() - started)
         (pipeline,) = server.api("flow_runs/filter", {"flow_runs": {"name": {"any_": [f"post-training-{RUN_ID}"]}}})
         assert pipeline["state_type"] == "COMPLETED"
 
@@ -157,8 +166,15 @@ def test_flow_run_page_shows_the_stages_and_artifacts(tiny_kit, tmp_path):
             browser = playwright.chromium.launch_persistent_context(
                 tempfile.mkdtemp(prefix="chromium-profile-", dir=tmp_path), executable_path=executable,
                 headless=True, args=CHROMIUM_FLAGS, viewport=VIEWPORT)
+            page = browser.new_page()
             try:
-                check_flow_run_pages(browser.new_page(), server.url, pipeline["id"], tmp_path)
+                started = time.monotonic()
+                check_flow_run_pages(page, server.url, pipeline["id"], tmp_path)
+                log.info("browser checks took %.0f s", time.monotonic() - started)
+            except Exception:
+                page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)  # what the browser showed
+                log.error("browser failed on %s; screenshot %s", page.url, tmp_path / "failure.png")
+                raise
             finally:
                 browser.close()
 
