@@ -1,7 +1,8 @@
 """Continuous batching for the built-in engine: one model thread, requests joining between steps.
 
 Running sequences share one batched key/value cache in which every row is right-aligned (left
-padding, masked out). A step first prefills newly arrived requests as their own padded batch and
+padding, masked out). A step first prefills newly arrived requests (admitted in groups, see
+`admission_window_s`) as their own padded batch and
 merges their cache into the running one (padding whichever is shorter on the left), then decodes
 one token for every running row. Finished rows are dropped from the cache, and columns that became
 padding in every row are trimmed. Any `transformers` causal LM works, since only its forward pass
@@ -10,6 +11,8 @@ padding in every row are trimmed. Any `transformers` causal LM works, since only
 With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) prompts are prefilled the
 same way, but decoding runs on a preallocated per-request slot cache with a graph-captured step
 (`slots.py`); rows then never move except when a finished row's slot is refilled by the last one.
+There the next decode is launched before the host has the current step's tokens (`_decode_slots`),
+so the GPU computes while the host records tokens and answers finished requests.
 
 Control commands (weight updates, cache flush, memory release) run on the model thread between
 steps, so they never race a forward pass. `pause()` stops stepping without touching running
