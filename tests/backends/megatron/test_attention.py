@@ -1,21 +1,12 @@
 """The SDPA core attention computes what megatron-core's unfused DotProductAttention computes."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+from script_rows import rows_by_case, run_script
 
 
 @pytest.fixture(scope="module")
 def rows(tiny_kit):
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("attention_parity.py")),
-                             str(tiny_kit.model_dir)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {row["case"]: row for row in map(json.loads, filter(lambda s: s.startswith("{"), result.stdout.splitlines()))}
+    return rows_by_case(run_script("attention_parity.py", tiny_kit.model_dir, timeout=600))
 
 
 @pytest.mark.parametrize("case", ["causal MHA", "causal GQA 4:2", "explicit mask GQA"])

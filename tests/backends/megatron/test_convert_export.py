@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_rows import run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
 from slime.data.tiny import build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[3]
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=128)
@@ -39,11 +39,7 @@ def roundtrips(tmp_path_factory):
     args = []
     for name, config in FAMILIES.items():
         args += [str(make_model(config, root / name / "src")), str(root / name)]
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("roundtrip.py")), *args],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return {Path(row["hf_dir"]).parent.name: row for row in rows}
+    return {Path(row["hf_dir"]).parent.name: row for row in run_script("roundtrip.py", *args, timeout=600)}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,22 +1,13 @@
 """The PPO critic: Megatron GPTModel with a 1-output value head, against the same critic written by hand
 on the HF backbone (fp32, CPU): forward values, one clipped value-loss step, and training lowers the loss."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+from script_rows import rows_by_case, run_script
 
 
 @pytest.fixture(scope="module")
 def rows(tiny_kit):
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("value_parity.py")),
-                             str(tiny_kit.model_dir)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {row["case"]: row for row in map(json.loads, filter(lambda x: x.startswith("{"), result.stdout.splitlines()))}
+    return rows_by_case(run_script("value_parity.py", tiny_kit.model_dir, timeout=600))
 
 
 def test_values_match_hand_written_critic(rows):

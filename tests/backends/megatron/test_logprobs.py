@@ -1,13 +1,9 @@
 """Megatron response log-probs equal HF teacher-forced log-probs (fp32, CPU): what keeps the
 train/rollout mismatch near zero, since the engine matches HF the same way."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from script_rows import run_script
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from slime.backends.megatron.logprobs import pad_samples, response_positions
@@ -15,14 +11,9 @@ from slime.data.tiny import build_tokenizer
 from slime.errors import ConfigError
 from slime.types import Sample
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 def run_parity(hf_dir) -> dict:
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("logprob_parity.py")), str(hf_dir)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    return run_script("logprob_parity.py", hf_dir, timeout=300)[0]
 
 
 def test_tiny_kit_log_probs_match_hf(tiny_kit):

@@ -1,20 +1,13 @@
 """One PPO round through the trainer's public API on the tiny kit (fp32 CPU): reference and old
 log-probs, critic values, GAE advantages whitened over DP, two actor steps and three critic steps."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from script_rows import run_script
 
 
 def test_ppo_round(tiny_kit):
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("ppo_round.py")), str(tiny_kit.model_dir)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    row = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    row = run_script("ppo_round.py", tiny_kit.model_dir, timeout=600)[0]
     first, second = row["actor"]
     # old log-probs are the actor's own before the first step: ratio 1, nothing clipped
     assert abs(first["ppo_kl"]) < 1e-6 and first["pg_clipfrac"] == 0.0, first

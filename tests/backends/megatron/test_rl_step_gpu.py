@@ -3,25 +3,18 @@ compute_log_probs vs HF, policy steps with KL, entropy, TIS and dynamic batching
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from script_rows import rows_by_case, run_script
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_rl_train_step_on_cuda(tmp_path):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("rl_step_gpu.py")), str(tmp_path)],
-                            capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {row["case"]: row for row in map(json.loads, filter(lambda x: x.startswith("{"),
-                                                               result.stdout.splitlines()))}
+    rows = rows_by_case(run_script("rl_step_gpu.py", tmp_path, timeout=900))
     print(json.dumps(rows, indent=1))
     scored = rows["compute_log_probs"]
     # bf16: Megatron's local spec and HF round differently (measured on an H200: mean 0.008, max 0.035)

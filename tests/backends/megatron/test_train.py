@@ -1,14 +1,9 @@
 """One Megatron train step equals the same step written by hand on the HF model (fp32, CPU), for
 every loss term the step supports; dynamic batching gives the same update as fixed micro-batches."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from script_rows import rows_by_case, run_script
 
-ROOT = Path(__file__).resolve().parents[3]
 CASES = ["sft per-sample, 3 micro-batches", "sft per-token, 1 micro-batch",
          "policy rollout log-probs, 6 micro-batches", "policy kl loss low_var_kl", "policy kl loss k2, per-token",
          "policy entropy", "policy tis", "gspo", "dual clip", "cispo per-token advantages",
@@ -17,11 +12,7 @@ CASES = ["sft per-sample, 3 micro-batches", "sft per-token, 1 micro-batch",
 
 @pytest.fixture(scope="module")
 def parity(tiny_kit):
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("train_parity.py")), str(tiny_kit.model_dir)],
-                            capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return {row["case"]: row for row in rows}
+    return rows_by_case(run_script("train_parity.py", tiny_kit.model_dir, timeout=900))
 
 
 @pytest.mark.parametrize("case", CASES)
