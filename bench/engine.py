@@ -97,10 +97,17 @@ def run_engine(url: str, prompts: list[list[int]], new_tokens: int, pool: Proces
     return max(ends) - start_at
 
 
+COUNTERS = ("steps", "prefills", "decodes_ahead")
+
+
 def engine_counters(url: str) -> dict[str, int]:
-    """The engine's own step and prefill counts (/server_info), to see how requests were grouped."""
+    """The engine's own step, prefill-group and launched-ahead decode counts (/server_info)."""
     state = httpx.get(f"{url}/server_info", trust_env=False).json()["internal_states"][0]
-    return {"steps": state["steps"], "prefills": state.get("prefills", 0)}
+    return {name: state.get(name, 0) for name in COUNTERS}
+
+
+def describe_counters(before: dict[str, int], after: dict[str, int], runs: int) -> str:
+    return ", ".join(f"{(after[name] - before[name]) / runs:.1f} {name}" for name in COUNTERS)
 
 
 async def run_engine_in_process(engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -171,8 +178,7 @@ def main() -> None:
             process.stop()
             if pool is not None:
                 pool.shutdown()
-    print(f"engine over HTTP, per timed run: {(after['steps'] - before['steps']) / args.repeats:.0f} steps, "
-          f"{(after['prefills'] - before['prefills']) / args.repeats:.1f} prefill groups; "
+    print(f"engine over HTTP, per timed run: {describe_counters(before, after, args.repeats)}; "
           f"{args.client_procs} client process(es)")
     results["built-in engine (HTTP)"] = (engine_warm, engine_times)
     if args.in_process:
@@ -183,7 +189,11 @@ def main() -> None:
                                           disable_overlap_schedule=args.disable_overlap_schedule))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
+            scheduler = engine.scheduler
+            before = {name: getattr(scheduler, name) for name in COUNTERS}
             times = [asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens)) for _ in range(args.repeats)]
+            after = {name: getattr(scheduler, name) for name in COUNTERS}
+            print(f"engine in process, per timed run: {describe_counters(before, after, args.repeats)}")
         finally:
             engine.shutdown()
         results["built-in engine (in process)"] = (warm, times)
