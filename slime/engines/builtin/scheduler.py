@@ -85,7 +85,7 @@ class _SlotBatch:
     next_tokens: torch.Tensor  # [B]
     lengths: list[int]
     # logits [B, V] of the decode already launched with `next_tokens` (whose positions `lengths`
-    # already counts), or None: see `Scheduler._decode`
+    # already counts), or None: see `Scheduler._decode_slots`
     pending: torch.Tensor | None = None
 
 
