@@ -27,7 +27,9 @@ from flows.export import export_flow
 from flows.rejection_sampling import rejection_sampling_flow
 from flows.rl import rl_flow
 from flows.sft import sft_flow
+from slime.config import Config
 from slime.errors import ConfigError
+from tasks.export_check import check_export
 
 # DESIGN.md's stage order; OPTIONAL ones can be left out with `skip`
 STAGE_ORDER = ("convert", "sft", "rejection_sampling", "rl", "evaluate", "export")
@@ -62,12 +64,35 @@ def pipeline(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, s
             earlier = [checkpoint_of(results["convert"]), *([sft_checkpoint] if final != sft_checkpoint else [])]
             results["evaluate"] = evaluate_flow(**common, model=final, compare=earlier)
         results["export"] = export_flow(**common, model=final)
+        if "evaluate" in results:
+            results["export"]["answers_check"] = check_exported_model(results, config, overrides, store, run_id)
     finally:
         publish_pipeline_table(run_id, stage_rows(results, skip))
         logger = get_run_logger()
         for row in stage_rows(results, skip):
             logger.info("%-18s %s %s", row["stage"], row["status"], row["artifact"])
     return results
+
+
+def check_exported_model(results: dict[str, dict[str, Any]], config: str, overrides: list[str] | None,
+                         store: str | None, run_id: str) -> dict[str, Any]:
+    """The exported HF model answers the greedy eval datasets as the evaluate stage scored the same checkpoint."""
+    cfg, _ = resolve_run(config, overrides, store, run_id)
+    evaluated = results["evaluate"]
+    greedy = [name for name in evaluated["metrics"]["datasets"] if greedy_eval(cfg, name)]
+    if not greedy:
+        get_run_logger().info("no greedy eval dataset: the exported model's answers are not compared")
+        return {}
+    return check_export(cfg, run_id, results["export"]["artifacts"]["hf_model"]["uri"],
+                        evaluated["artifacts"]["eval_result"]["uri"], greedy)
+
+
+def greedy_eval(config: Config, dataset: str) -> bool:
+    from slime.rollout.eval import dataset_sampling_params, eval_datasets
+
+    args = config.as_namespace()
+    return any(ds.name == dataset and dataset_sampling_params(args, ds).get("temperature") == 0
+               for ds in eval_datasets(args))
 
 
 def stage_rows(results: dict[str, dict[str, Any]], skip: list[str] | None = None) -> list[dict[str, Any]]:
@@ -116,6 +141,9 @@ def describe(results: dict[str, dict[str, Any]]) -> str:
     if "export" in results:
         lines.append(f"exported HF model: {results['export']['artifacts']['hf_model']['uri']} "
                      "(transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    for dataset, check in results.get("export", {}).get("answers_check", {}).items():
+        lines.append(f"  loaded with transformers, it answers {check['same_answer']}/{check['prompts']} '{dataset}' "
+                     f"prompts as the evaluate stage scored them (accuracy {check['accuracy_exported']:.4f})")
     return "\n".join(lines)
 
 

@@ -151,7 +151,10 @@ def test_full_pipeline_resumes_rl_after_a_failure_to_the_uninterrupted_metrics(p
     rl_checkpoint = results["rl"]["artifacts"]["checkpoint"]["uri"]
     assert results["export"]["metrics"]["source_checkpoint"] == rl_checkpoint
     evaluated = {r["metrics"]["checkpoint"] for r in [results["evaluate"], *results["evaluate"]["compared"]]}
-    assert evaluated == {rl_checkpoint, results["sft"]["artifacts"]["checkpoint"]["uri"]}
+    assert evaluated == {rl_checkpoint, results["sft"]["artifacts"]["checkpoint"]["uri"],
+                         results["convert"]["artifacts"]["checkpoint"]["uri"]}  # accuracy stage over stage
+    check = results["export"]["answers_check"]["arithmetic"]  # the exported HF model, loaded with transformers
+    assert check["prompts"] == 4 and check["same_answer"] == 4 and check["same_reward"] == 4
     rows = Artifact.get(artifact_key("full", "evaluate", "results")).data
     assert "arithmetic" in rows and "mean_reward" in rows
 

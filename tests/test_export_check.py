@@ -1,0 +1,56 @@
+"""The exported-model check: plain transformers answers the eval prompts as the evaluate stage scored them,
+and a model that differs is caught, prompt by prompt."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slime.config import load_config
+from slime.errors import ConfigError
+from slime.evaluate import run_evaluate
+from slime.export_check import check_exported_answers
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_kit, tmp_path_factory):
+    """A greedy eval of the tiny kit's model on 40 held-out prompts (config, eval result)."""
+    root = tmp_path_factory.mktemp("export-check")
+    config = load_config(overrides=[
+        "--store", str(root / "store"), "--run-id", "check", "--hf-checkpoint", str(tiny_kit.model_dir),
+        "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:40]", "--eval-temperature", "0",
+        "--rollout-max-response-len", "6", "--rollout-stop", "<|im_end|>", "--apply-chat-template", "--rm-type",
+        "math"])
+    return config, run_evaluate(config)
+
+
+def test_the_evaluated_model_answers_every_prompt_as_scored(tiny_kit, evaluated):
+    config, result = evaluated
+    check = check_exported_answers(config, str(tiny_kit.model_dir), result["result"], "arithmetic")
+    assert check["prompts"] == 40
+    assert check["same_answer"] == 40 and check["same_reward"] == 40 and check["mismatches"] == []
+    assert check["accuracy_exported"] == check["accuracy_eval"] == result["metrics"]["arithmetic"]["mean_reward"]
+
+
+def test_a_different_model_is_caught_prompt_by_prompt(tiny_kit, evaluated, tmp_path):
+    config, result = evaluated
+    other = tmp_path / "other"
+    shutil.copytree(tiny_kit.model_dir, other)
+    weights = load_file(other / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: v + 0.5 * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v for k, v in weights.items()}
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    check = check_exported_answers(config, str(other), result["result"], "arithmetic")
+    assert check["same_answer"] < 40
+    assert check["mismatches"] and {"prompt", "eval", "exported", "label"} <= set(check["mismatches"][0])
+    assert check["mismatches"][0]["eval"] != check["mismatches"][0]["exported"]
+
+
+def test_sampled_evals_and_unknown_datasets_are_refused(tiny_kit, evaluated):
+    config, result = evaluated
+    with pytest.raises(ConfigError, match="temperature 1.0"):
+        check_exported_answers(config.model_copy(update={"eval": config.eval.model_copy(
+            update={"eval_temperature": 1.0})}), str(tiny_kit.model_dir), result["result"], "arithmetic")
+    with pytest.raises(ConfigError, match="'nope' is not in the config"):
+        check_exported_answers(config, str(tiny_kit.model_dir), result["result"], "nope")
