@@ -202,6 +202,19 @@ class SftConfig(_Section):
     sft_num_epoch: int = Field(1, ge=1)
     sft_save_interval: int | None = Field(None, ge=1, description="save the full SFT training state every N "
                                           "optimizer steps (resume point); None: only at the end")
+    # SFT usually wants a larger step size than RL from the same `train` section: these override it for SFT only
+    sft_lr: float | None = Field(None, gt=0, description="SFT's peak learning rate; None: train.lr")
+    sft_min_lr: float | None = Field(None, ge=0, description="SFT's final learning rate; None: train.min_lr")
+    sft_lr_warmup_iters: int | None = Field(None, ge=0, description="SFT's warmup steps; None: "
+                                            "train.lr_warmup_iters")
+    sft_lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] | None = Field(
+        None, description="SFT's learning-rate schedule; None: train.lr_decay_style")
+
+    def train_overrides(self) -> dict[str, Any]:
+        """The `train` fields SFT sets differently (only those given)."""
+        given = {"lr": self.sft_lr, "min_lr": self.sft_min_lr, "lr_warmup_iters": self.sft_lr_warmup_iters,
+                 "lr_decay_style": self.sft_lr_decay_style}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class RejectionSamplingConfig(_Section):
@@ -321,6 +334,10 @@ class Config(BaseModel):
                 raise ConfigError(f"unknown config section {name!r}; sections: {list(type(self).model_fields)}")
         payload = {name: _dump(getattr(self, name)) for name in names}
         return stable_hash(payload)
+
+    def sft_train(self) -> TrainConfig:
+        """The `train` section as SFT uses it: with the sft_lr/sft_min_lr/... overrides applied."""
+        return self.train.model_copy(update=self.sft.train_overrides())
 
     def require(self, *fields: str, stage: str) -> None:
         """Fail early, naming every missing field, when a stage needs fields that default to None."""
@@ -629,6 +646,10 @@ def _format_validation_error(exc: ValidationError, where: dict[str, str]) -> str
     return "invalid configuration:\n  " + "\n  ".join(problems)
 
 
+_SFT_SCHEDULE_FIELDS = {"lr": "sft.sft_lr", "min_lr": "sft.sft_min_lr", "lr_warmup_iters": "sft.sft_lr_warmup_iters",
+                        "lr_decay_style": "sft.sft_lr_decay_style"}
+
+
 def _validate(config: Config, where: dict[str, str]) -> None:
     """Checks that span fields; each message names the fields and where they were set."""
 
@@ -673,15 +694,20 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("algorithm.tis_clip_low", f"tis_clip_low {a.tis_clip_low} must be below tis_clip {a.tis_clip}")
     if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
         fail("algorithm.advantage_estimator", f"{a.advantage_estimator} needs normalize_advantages: true")
-    if t.min_lr > t.lr:
-        fail("train.min_lr", f"min_lr {t.min_lr} is above lr {t.lr}", "train.lr")
-    if t.lr_warmup_init > t.lr:
-        fail("train.lr_warmup_init", f"lr_warmup_init {t.lr_warmup_init} is above lr {t.lr}", "train.lr")
-    if t.lr_decay_iters is not None and t.lr_warmup_iters >= t.lr_decay_iters:
-        fail("train.lr_warmup_iters", f"lr_warmup_iters {t.lr_warmup_iters} must be below lr_decay_iters "
-             f"{t.lr_decay_iters}", "train.lr_decay_iters")
-    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
-        fail("train.lr_decay_style", "WSD needs lr_wsd_decay_iters (length of the decay phase)")
+    # the RL schedule, then SFT's own where sft_* fields override it (named by the field that was set)
+    for t, name in ((config.train, {}), (config.sft_train(), _SFT_SCHEDULE_FIELDS)):
+        def field(n: str, name: dict[str, str] = name) -> str:
+            return name.get(n, f"train.{n}")
+
+        if t.min_lr > t.lr:
+            fail(field("min_lr"), f"min_lr {t.min_lr} is above lr {t.lr}", field("lr"))
+        if t.lr_warmup_init > t.lr:
+            fail("train.lr_warmup_init", f"lr_warmup_init {t.lr_warmup_init} is above lr {t.lr}", field("lr"))
+        if t.lr_decay_iters is not None and t.lr_warmup_iters >= t.lr_decay_iters:
+            fail(field("lr_warmup_iters"), f"lr_warmup_iters {t.lr_warmup_iters} must be below lr_decay_iters "
+                 f"{t.lr_decay_iters}", "train.lr_decay_iters")
+        if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
+            fail(field("lr_decay_style"), "WSD needs lr_wsd_decay_iters (length of the decay phase)")
     if config.sync.async_mode and config.cluster.colocate:
         fail("sync.async_mode", "async (one-step-off) generation needs separate train and rollout GPUs: it "
              "cannot be combined with colocate", "cluster.colocate")

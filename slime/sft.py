@@ -56,6 +56,7 @@ def run_sft(config: Config) -> dict[str, Any]:
     from slime.storage import is_committed
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
+    config = config.model_copy(update={"train": config.sft_train()})  # sft_lr etc. (validated with the config)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = load_sft_samples(config.sft.sft_data, tokenizer, messages_key=config.sft.messages_key,
                                tool_key=config.data.tool_key)

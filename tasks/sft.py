@@ -12,7 +12,8 @@ from tasks._stage import stage_result, stage_task, start_stage, with_fields
 OUTPUT_NAME = "checkpoint"
 # config fields run_sft reads besides its inputs (model, data, tokenizer) and output location;
 # save_interval is left out: it adds intermediate checkpoints, the final one is the same
-CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "train", "algorithm.calculate_per_token_loss",
+CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "sft.sft_lr", "sft.sft_min_lr", "sft.sft_lr_warmup_iters",
+                 "sft.sft_lr_decay_style", "train", "algorithm.calculate_per_token_loss",
                  "checkpoint.no_save_optim", "data.tool_key", "megatron", "run.seed")
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",))

@@ -169,3 +169,13 @@ def test_unknown_sglang_and_router_flags_name_the_closest_real_one():
         load_config(None, ["--router-polcy", "round_robin"])
     with pytest.raises(ConfigError, match="--sglang-port cannot be passed through"):
         load_config(None, ["--sglang-port", "3000"])
+
+
+def test_sft_schedule_overrides_train_for_sft_only_and_is_checked():
+    config = load_config(overrides=["--lr", "1e-5", "--min-lr", "1e-6", "--sft-lr", "2e-3",
+                                    "--sft-lr-decay-style", "cosine"])
+    assert (config.train.lr, config.train.lr_decay_style) == (1e-5, "constant")
+    sft = config.sft_train()
+    assert (sft.lr, sft.min_lr, sft.lr_decay_style) == (2e-3, 1e-6, "cosine")
+    with pytest.raises(ConfigError, match=r"sft\.sft_min_lr: min_lr 0\.01 is above lr 0\.002"):
+        load_config(overrides=["--sft-lr", "2e-3", "--sft-min-lr", "1e-2"])
