@@ -17,10 +17,12 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 @pytest.fixture(scope="session")
 def tiny_kit(tmp_path_factory):
-    """The tiny model kit built once per test session (tokenizer, Qwen2 model, arithmetic data)."""
-    from slime.data.tiny import make_tiny_kit
+    """The tiny model kit built once per test session (tokenizer, Qwen2 model, arithmetic data), from the
+    tests' own small recipe (tests/tiny_kit_recipe.yaml), not the larger `make run` default."""
+    from slime.data.tiny import load_recipe, make_tiny_kit
 
-    return make_tiny_kit(tmp_path_factory.mktemp("tiny-kit") / "kit")
+    recipe = load_recipe(Path(__file__).with_name("tiny_kit_recipe.yaml"))
+    return make_tiny_kit(tmp_path_factory.mktemp("tiny-kit") / "kit", recipe)
 
 
 @contextlib.contextmanager

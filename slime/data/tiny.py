@@ -88,11 +88,11 @@ Digits = Annotated[int, Field(ge=1, le=15)]
 class ModelRecipe(_Strict):
     """Shape of the random Qwen2 checkpoint."""
 
-    hidden_size: int = Field(128, gt=0)
+    hidden_size: int = Field(256, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
-    intermediate_size: int = Field(512, gt=0)
+    num_attention_heads: int = Field(8, gt=0)
+    num_key_value_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(1024, gt=0)
     max_position_embeddings: int = Field(512, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
@@ -111,13 +111,13 @@ class ModelRecipe(_Strict):
 class DataRecipe(_Strict):
     """Synthetic integer arithmetic: operand digit tiers and split sizes."""
 
-    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
-    train_digits: list[Digits] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
-    eval_digits: list[Digits] = Field(default_factory=lambda: [1, 2, 3, 4], min_length=1)
+    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    train_digits: list[Digits] = Field(default_factory=lambda: [2], min_length=1)
+    eval_digits: list[Digits] = Field(default_factory=lambda: [2], min_length=1)
     allow_negative: bool = False
     num_train: int = Field(2000, ge=0)
     num_eval: int = Field(200, ge=0)
-    num_sft: int = Field(2000, ge=0)
+    num_sft: int = Field(4000, ge=0)
 
 
 class TinyKitRecipe(_Strict):

@@ -22,9 +22,13 @@ def tok():
     return build_tokenizer()
 
 
+TEST_RECIPE = Path(__file__).resolve().parents[1] / "tiny_kit_recipe.yaml"
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory: pytest.TempPathFactory) -> TinyKit:
-    return make_tiny_kit(tmp_path_factory.mktemp("kit") / "tiny")
+    """The test suite's kit (1-4 digit + and -: every tier and op of the generator in play)."""
+    return make_tiny_kit(tmp_path_factory.mktemp("kit") / "tiny", load_recipe(TEST_RECIPE))
 
 
 def _manifest(kit: TinyKit) -> dict:
@@ -209,7 +213,7 @@ def test_manifest_lists_every_file(kit: TinyKit) -> None:
     assert set(manifest["files"]) == on_disk
     for rel, digest in manifest["files"].items():
         assert hashlib.sha256((kit.root / rel).read_bytes()).hexdigest() == digest
-    assert manifest["recipe"] == load_recipe().model_dump(mode="json")
+    assert manifest["recipe"] == load_recipe(TEST_RECIPE).model_dump(mode="json")
     assert kit.root / manifest["model_dir"] == kit.model_dir
     assert [kit.root / manifest["data"][s] for s in ("train", "eval", "sft")] == [
         kit.train,
@@ -222,7 +226,7 @@ def test_manifest_lists_every_file(kit: TinyKit) -> None:
 
 
 def test_deterministic(kit: TinyKit, tmp_path: Path) -> None:
-    other = make_tiny_kit(tmp_path / "again")
+    other = make_tiny_kit(tmp_path / "again", load_recipe(TEST_RECIPE))
     assert _manifest(other)["files"] == _manifest(kit)["files"]
     assert (other.model_dir / "model.safetensors").read_bytes() == (
         kit.model_dir / "model.safetensors"
@@ -309,7 +313,7 @@ def test_harder_eval_tiers_and_impossible_counts() -> None:
 def test_idempotent(kit: TinyKit, monkeypatch: pytest.MonkeyPatch) -> None:
     before = {p: p.stat().st_mtime_ns for p in kit.root.rglob("*")}
     monkeypatch.setattr(tiny, "_build", lambda *a: pytest.fail("rebuilt a kit that was already there"))
-    again = make_tiny_kit(kit.root)
+    again = make_tiny_kit(kit.root, load_recipe(TEST_RECIPE))
     assert again == kit
     assert {p: p.stat().st_mtime_ns for p in kit.root.rglob("*")} == before
 
@@ -332,11 +336,11 @@ def test_non_kit_dir_raises_and_empty_dir_is_used(tmp_path: Path) -> None:
 def test_corrupted_kit_is_detected(kit: TinyKit, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(kit.root, copy)
-    assert make_tiny_kit(copy).root == copy
+    assert make_tiny_kit(copy, load_recipe(TEST_RECIPE)).root == copy
     with (copy / "data" / "train.jsonl").open("a") as f:
         f.write("\n")
     with pytest.raises(DataFormatError, match="train.jsonl"):
-        make_tiny_kit(copy)
+        make_tiny_kit(copy, load_recipe(TEST_RECIPE))
 
 
 def test_crash_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,6 +354,19 @@ def test_crash_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 # --- recipe ----------------------------------------------------------------------------------------------
+
+
+def test_the_default_kit_is_two_digit_addition_on_a_4m_model(tmp_path: Path) -> None:
+    """What `make run` trains: the shipped recipe's kit."""
+    default = make_tiny_kit(tmp_path / "default")
+    manifest = _manifest(default)
+    assert 3_500_000 < manifest["param_count"] < 4_500_000
+    rows = {split: _jsonl(getattr(default, split)) for split in ("train", "eval")}
+    assert (len(rows["train"]), len(rows["eval"]), len(_jsonl(default.sft))) == (2000, 200, 4000)
+    for row in rows["train"] + rows["eval"]:
+        _check_problem(row)
+        assert row["metadata"]["op"] == "+" and row["metadata"]["digits"] == 2
+    assert not {r["prompt"] for r in rows["eval"]} & {r["prompt"] for r in rows["train"]}
 
 
 def test_default_recipe_file_matches_model_defaults() -> None:
