@@ -22,7 +22,7 @@ PREFECT_ENV := PREFECT_HOME=$(CURDIR)/runs/.prefect PREFECT_SERVER_EPHEMERAL_STA
 CONFIG ?= deployments/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-slow lint bench clean-venv
+.PHONY: install run serve test test-slow lint bench clean-venv
 
 install: $(STAMP)
 
@@ -44,6 +44,27 @@ run: $(STAMP)
 	  && echo "pipeline took $$(( $$(date +%s) - start )) s"
 	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/ (Prefect stage results in runs/.prefect-results);" \
 	      "same run again (reuses every completed stage): make run RUN_ID=$(RUN_ID)"
+
+# A local Prefect server (http://127.0.0.1:$(PORT), run history in runs/.prefect), the process work pool
+# slime-local, the slime-gpu tag limit and every deployment of prefect.yaml, then a worker in the
+# foreground. Ctrl-C twice stops the worker (here the first one alone did not end it within 80 s);
+# the server, in its own session, is then stopped by its PID. In another shell:
+#   export PREFECT_API_URL=http://127.0.0.1:4200/api
+#   .venv/bin/prefect deployment run 'post-training/tiny-cpu' --watch
+PORT ?= 4200
+serve: $(STAMP)
+	$(BIN)/slime datasets make-tiny $(KIT)
+	@set -e; mkdir -p runs; export $(PREFECT_ENV) PREFECT_API_URL=http://127.0.0.1:$(PORT)/api; \
+	setsid $(BIN)/prefect server start --host 127.0.0.1 --port $(PORT) > runs/prefect-server.log 2>&1 & server=$$!; \
+	trap 'kill -INT $$server 2>/dev/null; wait $$server 2>/dev/null' EXIT; \
+	echo "prefect server (pid $$server) starting, log runs/prefect-server.log"; \
+	until $(BIN)/python -c "import httpx; httpx.get('http://127.0.0.1:$(PORT)/api/health').raise_for_status()" 2>/dev/null; do \
+	  kill -0 $$server 2>/dev/null || { echo "prefect server exited: see runs/prefect-server.log"; exit 1; }; sleep 2; done; \
+	$(BIN)/prefect work-pool inspect slime-local > /dev/null 2>&1 || $(BIN)/prefect work-pool create slime-local --type process; \
+	$(BIN)/prefect concurrency-limit inspect slime-gpu > /dev/null 2>&1 || $(BIN)/prefect concurrency-limit create slime-gpu 1; \
+	$(BIN)/prefect deploy --all --no-prompt; \
+	echo "UI: http://127.0.0.1:$(PORT)  (PREFECT_API_URL=http://127.0.0.1:$(PORT)/api)"; \
+	$(BIN)/prefect worker start --pool slime-local
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,10 +9,12 @@ with 143 through the interpreter's normal shutdown (which stops the ephemeral AP
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect import Flow
@@ -60,7 +62,8 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = describe is None or "--json" in argv
     argv = [a for a in argv if a != "--json"]
-    params = parse(f"python -m flows.{flow.fn.__module__.rsplit('.', 1)[-1]}", flow.description or flow.name, argv,
+    module = Path(inspect.getfile(flow.fn)).stem  # not __module__: that is "__main__" under python -m
+    params = parse(f"python -m flows.{module}", flow.description or flow.name, argv,
                    takes_model)
     with sigterm_as_exit():  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
         state = flow(**params, return_state=True)

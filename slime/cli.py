@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -107,6 +108,13 @@ def _engine(args: argparse.Namespace, extra: list[str]) -> int:
     return engine_main(extra)
 
 
+def _pipeline(args: argparse.Namespace, extra: list[str]) -> int:
+    """The whole Prefect pipeline: `python -m flows.pipeline` in this interpreter's place, so the library
+    itself never imports Prefect (flows/ is the orchestration layer); its own flags: `slime pipeline --help`."""
+    os.execv(sys.executable, [sys.executable, "-m", "flows.pipeline", *extra])
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slime", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -149,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine = commands.add_parser("engine", add_help=False, help="run the built-in inference engine server "
                                  "(slime engine --model PATH --host 127.0.0.1 --port P)")
     engine.set_defaults(handler=_engine, takes_overrides=True)
+
+    pipeline = commands.add_parser("pipeline", add_help=False, help="the whole pipeline as a Prefect flow: "
+                                   "convert -> sft -> rejection_sampling -> rl -> evaluate -> export (slime pipeline "
+                                   "--config deployments/tiny-cpu.yaml [--store URL] [--run-id ID] [--flag value])")
+    pipeline.set_defaults(handler=_pipeline, takes_overrides=True)
 
     datasets = commands.add_parser("datasets", help="bundled data sets").add_subparsers(dest="sub", required=True)
     tiny = datasets.add_parser("make-tiny", help="build the tiny model kit (tokenizer, Qwen2 model, task data)")
