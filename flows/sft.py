@@ -25,6 +25,9 @@ def sft_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, s
     cfg.require("checkpoint.hf_checkpoint", "sft.sft_data", stage="sft")
     inputs = {"load": model or newest_model(cfg, run_id, ("convert",)), "sft_data": cfg.sft.sft_data,
               "hf_checkpoint": cfg.checkpoint.hf_checkpoint}
+    # SFT's own schedule (sft_lr, ...) in place of train's: the cache key and the report then hold what SFT
+    # trains with, and tuning RL's learning rate alone reuses a finished SFT
+    cfg = cfg.model_copy(update={"train": cfg.sft_train()})
     return run_stage(sft, cfg, run_id, inputs, output_uri(cfg, run_id, "sft", OUTPUT_NAME))
 
 

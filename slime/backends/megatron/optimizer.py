@@ -22,6 +22,7 @@ Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, meas
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch
 
 from slime.config import Config, TrainConfig
 from slime.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: float, weight_decay: float = 0.0,
@@ -73,14 +76,20 @@ def build_scheduler(optimizer: Any, train: TrainConfig, total_steps: int | None 
             raise ConfigError(f"train.lr_decay_style {train.lr_decay_style!r} needs lr_decay_iters "
                               "(--lr-decay-iters) when the number of training steps is not known")
         decay = train.lr_warmup_iters + 1
-    if train.lr_warmup_iters >= decay:
-        raise ConfigError(f"train.lr_warmup_iters {train.lr_warmup_iters} must be below the decay length {decay} "
+    warmup = train.lr_warmup_iters
+    if warmup >= decay and train.lr_decay_iters is None and total_steps is not None:
+        # a stage shorter than the configured warmup (a shortened run of a full config): it warms up throughout
+        warmup = decay - 1
+        logger.warning("train.lr_warmup_iters %d is not below this stage's %d optimizer steps: warming up over "
+                       "%d steps", train.lr_warmup_iters, decay, warmup)
+    if warmup >= decay:
+        raise ConfigError(f"train.lr_warmup_iters {warmup} must be below the decay length {decay} "
                           "(lr_decay_iters, or the stage's total optimizer steps)")
     if train.lr_decay_style == "WSD" and (train.lr_wsd_decay_iters or 0) > decay:
         raise ConfigError(f"train.lr_wsd_decay_iters {train.lr_wsd_decay_iters} exceeds the decay length {decay}")
     return OptimizerParamScheduler(
         optimizer, init_lr=train.lr_warmup_init, max_lr=train.lr, min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_iters, lr_decay_steps=decay, lr_decay_style=train.lr_decay_style,
+        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=train.lr_decay_style,
         start_wd=train.weight_decay, end_wd=train.weight_decay, wd_incr_steps=decay, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
         wsd_decay_steps=train.lr_wsd_decay_iters, lr_wsd_decay_style=train.lr_wsd_decay_style)

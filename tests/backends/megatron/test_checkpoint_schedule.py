@@ -40,5 +40,12 @@ def test_constant_and_wsd():
 def test_decay_needs_a_length():
     with pytest.raises(ConfigError, match="needs lr_decay_iters"):
         lrs(["--lr-decay-style", "cosine"], total_steps=None, steps=0)
-    with pytest.raises(ConfigError, match="lr_warmup_iters 4 must be below the decay length 4"):
-        lrs(["--lr-decay-style", "linear", "--lr-warmup-iters", "4"], total_steps=4, steps=0)
+    with pytest.raises(ConfigError, match="lr_warmup_iters 4 must be below lr_decay_iters 4"):  # explicit: an error
+        lrs(["--lr-decay-style", "linear", "--lr-warmup-iters", "4", "--lr-decay-iters", "4"], total_steps=None,
+            steps=0)
+
+
+def test_a_stage_shorter_than_its_warmup_warms_up_throughout():
+    # a shortened run of a full config (20 warmup steps, a 4-step stage): warm up over 3 steps, then decay
+    got = lrs(["--lr", "1.0", "--lr-decay-style", "linear", "--lr-warmup-iters", "20"], total_steps=4, steps=4)
+    assert got == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 0.0])
