@@ -1,0 +1,80 @@
+"""One rank of the export fast-path test (test_export_fast.py starts it through multirank.run_ranks).
+
+    python export_fast.py HF_DIR tensor|pipeline   (RANK, WORLD_SIZE, INIT_METHOD in the environment)
+
+All ranks form one tensor-parallel group (`tensor`) or one pipeline (`pipeline`) of the world size.
+Each rank exports the weights twice, through `export_hf_weights` and through mbridge's own
+`export_weights` (with the vocab trim `export_hf_weights` applies), counting the object collectives
+(`all_gather_object`, `broadcast_object_list`) each made, and prints one JSON line comparing them and
+the HF checkpoint the model was loaded from.
+"""
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from multirank import rank_env
+from safetensors.torch import load_file
+
+from slime.backends.megatron import bridge as megatron_bridge
+from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
+
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list")
+
+
+def count_object_collectives(counter: Counter) -> None:
+    """Count every call of torch.distributed's object collectives in `counter` (mbridge calls them
+    through the `torch.distributed` module, so wrapping the module's attributes sees each call)."""
+    for name in OBJECT_COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counter[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def mbridge_export(bridge, models) -> list[tuple[str, torch.Tensor]]:
+    """mbridge's `export_weights`, padded vocab rows cut as `export_hf_weights` cuts them."""
+    vocab = bridge.hf_config.vocab_size
+    return [(name, t[:vocab] if name in ("model.embed_tokens.weight", "lm_head.weight") and t.shape[0] > vocab else t)
+            for name, t in bridge.export_weights(models)]
+
+
+def same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(a, b, strict=True))
+
+
+def main() -> None:
+    hf_dir, layout = sys.argv[1], sys.argv[2]
+    rank, world_size, init_method = rank_env()
+    parallel = {"tensor_parallel": world_size} if layout == "tensor" else {"pipeline_parallel": world_size}
+    init_megatron(seed=0, rank=rank, world_size=world_size, init_method=init_method, **parallel)
+    bridge = make_bridge(hf_dir)
+    models = build_model(bridge, hf_dir, wrap_with_ddp=True)  # DDP-wrapped, as the train actor holds them
+    calls: Counter = Counter()
+    count_object_collectives(calls)
+
+    got = list(export_hf_weights(bridge, models))
+    fast_calls = sum(calls.values())
+    again = list(export_hf_weights(bridge, models))  # as the next sync: the chunks' name maps are cached
+    calls.clear()
+    want = mbridge_export(bridge, models)
+    hf = {name: t for f in sorted(Path(hf_dir).glob("*.safetensors")) for name, t in load_file(f).items()}
+    print(json.dumps({
+        "rank": rank, "local": megatron_bridge.uses_local_export(bridge),
+        "names": [name for name, _ in got], "mbridge_names": [name for name, _ in want],
+        "values_equal": same(got, want), "second_export_equal": same(again, got),
+        "equal_to_checkpoint": all(torch.equal(t, hf[name]) for name, t in got),
+        "checkpoint_names": sorted(hf),
+        "object_collectives": {"export_hf_weights": fast_calls, "mbridge": sum(calls.values())},
+        "requires_grad": sorted({name for name, t in got if t.requires_grad and t.grad_fn is not None}),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
