@@ -1,16 +1,19 @@
 """One rank of the export fast-path test (test_export_fast.py starts it through multirank.run_ranks).
 
-    python export_fast.py HF_DIR tensor|pipeline   (RANK, WORLD_SIZE, INIT_METHOD in the environment)
+    python export_fast.py HF_DIR tensor|pipeline [fp32|bf16]   (RANK, WORLD_SIZE, INIT_METHOD in the environment)
 
 All ranks form one tensor-parallel group (`tensor`) or one pipeline (`pipeline`) of the world size.
 Each rank exports the weights twice, through `export_hf_weights` and through mbridge's own
 `export_weights` (with the vocab trim `export_hf_weights` applies), counting the object collectives
 (`all_gather_object`, `broadcast_object_list`) each made, and prints one JSON line comparing them and
-the HF checkpoint the model was loaded from.
+the HF checkpoint the model was loaded from, with the median seconds of each export (for information:
+on CUDA the object collectives are what the fast path saves; the test asserts no timing).
 """
 
 import json
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -49,12 +52,25 @@ def same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -
     return len(a) == len(b) and all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(a, b, strict=True))
 
 
+def median_seconds(export, repeats: int = 5) -> float:
+    """Median wall seconds of `export()` drained, the device synchronised before and after."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        export()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     hf_dir, layout = sys.argv[1], sys.argv[2]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[3] if len(sys.argv) > 3 else "fp32"]
     rank, world_size, init_method = rank_env()
     parallel = {"tensor_parallel": world_size} if layout == "tensor" else {"pipeline_parallel": world_size}
     init_megatron(seed=0, rank=rank, world_size=world_size, init_method=init_method, **parallel)
-    bridge = make_bridge(hf_dir)
+    bridge = make_bridge(hf_dir, dtype)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True)  # DDP-wrapped, as the train actor holds them
     calls: Counter = Counter()
     count_object_collectives(calls)
@@ -64,15 +80,19 @@ def main() -> None:
     again = list(export_hf_weights(bridge, models))  # as the next sync: the chunks' name maps are cached
     calls.clear()
     want = mbridge_export(bridge, models)
+    mbridge_calls = sum(calls.values())
+    seconds = {"export_hf_weights": median_seconds(lambda: list(export_hf_weights(bridge, models))),
+               "mbridge": median_seconds(lambda: mbridge_export(bridge, models))}
     hf = {name: t for f in sorted(Path(hf_dir).glob("*.safetensors")) for name, t in load_file(f).items()}
     print(json.dumps({
         "rank": rank, "local": megatron_bridge.uses_local_export(bridge),
         "names": [name for name, _ in got], "mbridge_names": [name for name, _ in want],
         "values_equal": same(got, want), "second_export_equal": same(again, got),
-        "equal_to_checkpoint": all(torch.equal(t, hf[name]) for name, t in got),
+        "equal_to_checkpoint": all(torch.equal(t.cpu(), hf[name]) for name, t in got),
         "checkpoint_names": sorted(hf),
-        "object_collectives": {"export_hf_weights": fast_calls, "mbridge": sum(calls.values())},
+        "object_collectives": {"export_hf_weights": fast_calls, "mbridge": mbridge_calls},
         "requires_grad": sorted({name for name, t in got if t.requires_grad and t.grad_fn is not None}),
+        "seconds": {k: round(v, 5) for k, v in seconds.items()}, "bytes": sum(t.nbytes for _, t in got),
     }), flush=True)
 
 

@@ -1,16 +1,19 @@
 """`export_hf_weights` without pipeline or expert parallelism skips mbridge's per-tensor pipeline
 collectives, and still yields exactly what mbridge's `export_weights` yields: names, order, values
-(CPU, gloo, the tiny kit; each layout in processes of its own, as Megatron's state is per process)."""
+(CPU, gloo, the tiny kit; each layout in processes of its own, as Megatron's state is per process;
+the `gpu` test: a 0.5B shape in bf16 on CUDA)."""
 
 import types
 from pathlib import Path
 
 import pytest
+import torch
 from mbridge.core.parallel_states import ParallelStates
 from megatron.core.transformer import TransformerConfig
 from multirank import run_ranks
 
 from slime.backends.megatron.bridge import uses_local_export
+from slime.data.random_models import save_random_qwen2
 
 SCRIPT = Path(__file__).with_name("export_fast.py")
 LAYOUTS = {"tp1": ("tensor", 1), "tp2": ("tensor", 2), "pp2": ("pipeline", 2)}
@@ -60,3 +63,17 @@ def bridge_with(pp_size: int = 1, ep_size: int = 1, num_moe_experts: int | None 
 ])
 def test_uses_local_export_only_for_one_dense_stage(setup, local):
     assert uses_local_export(bridge_with(**setup)) is local
+
+
+@pytest.mark.gpu
+def test_local_export_equals_mbridge_on_cuda_bf16(tmp_path):
+    """The real case: a Qwen2.5-0.5B shape in bf16 on one GPU (NCCL), where each object collective
+    mbridge makes is a pickle into GPU memory and a device sync. Prints both paths' seconds."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    save_random_qwen2(tmp_path / "hf", "0.5b", torch.bfloat16)
+    row = run_ranks(SCRIPT, world_size=1, args=[str(tmp_path / "hf"), "tensor", "bf16"], timeout=900)[0][0]
+    print({key: row[key] for key in ("seconds", "bytes", "object_collectives")})
+    assert row["local"] and row["names"] == row["mbridge_names"] and len(row["names"]) == 290
+    assert row["values_equal"] and row["second_export_equal"] and row["equal_to_checkpoint"]
+    assert row["object_collectives"]["export_hf_weights"] == 0 < row["object_collectives"]["mbridge"]
