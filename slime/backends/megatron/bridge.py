@@ -172,8 +172,8 @@ def export_hf_weights(bridge: Any, models: list[torch.nn.Module]) -> Any:
 def _export_local(bridge: Any, models: list[torch.nn.Module]) -> Any:
     """mbridge's `export_weights` for a single pipeline stage of a dense model: the same loop over
     each chunk's parameters through mbridge's own name map, tensor-parallel merge and HF split,
-    minus the pipeline broadcasts (on NCCL each is a pickle into GPU memory and a device sync,
-    ~0.5 ms a tensor, the larger part of a colocated sync of a 0.5B model)."""
+    minus the pipeline exchange (three object collectives a tensor; on NCCL each pickles into GPU
+    memory and synchronises the device, ~0.5 ms: most of a colocated sync of a 0.5B model)."""
     for model in unwrap_model(models):
         local_to_global = _local_to_global(bridge, model)
         for local_name, param in model.named_parameters():
