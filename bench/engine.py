@@ -2,8 +2,9 @@
 
 Output tokens/s for N concurrent requests x M new tokens (sampling, temperature 1, EOS ignored so
 every request produces exactly M tokens). The engine runs as its real HTTP server process and is
-driven by N concurrent `/generate` calls; the baseline is one batched `model.generate` call on
-left-padded prompts in this process. Both are measured warm: one untimed warm-up run of each first,
+driven by N concurrent `/generate` calls through the rollout code's own client (`EngineClient`, kept
+across runs as a rollout keeps its client, so connections are reused); the baseline is one batched
+`model.generate` call on left-padded prompts in this process. Both are measured warm: one untimed warm-up run of each first,
 whose time is reported separately. The two alternate within each repeat (A B A B ...), so drift of
 a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
 
@@ -31,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.launcher import start_builtin_engine
+from slime.engines.client import EngineClient
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -59,42 +61,63 @@ def run_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, 
     return elapsed
 
 
-async def _post_all(url: str, prompts: list[list[int]], new_tokens: int,
+async def _post_all(client: EngineClient, url: str, prompts: list[list[int]], new_tokens: int,
                     start_at: float | None = None) -> tuple[float, float]:
-    """POST every prompt concurrently (one connection each); the wall-clock times (time.time) the
-    first request left and the last reply arrived. With `start_at`, the requests leave at that
-    moment (client processes)."""
+    """POST every prompt concurrently through the rollout code's own client (`EngineClient`, replies
+    decoded); the wall-clock times (time.time) the first request left and the last reply arrived.
+    With `start_at`, the requests leave at that moment (client processes)."""
     body = {"return_logprob": True, "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
-    limits = httpx.Limits(max_connections=len(prompts))
-    async with httpx.AsyncClient(timeout=3600, limits=limits, trust_env=False) as client:
-        if start_at is not None:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-        start = time.time()
-        replies = await asyncio.gather(*[client.post(f"{url}/generate", json={**body, "input_ids": p})
-                                         for p in prompts])
-        end = time.time()
-    for reply in replies:  # checked outside the timed span (as before the client processes)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["meta_info"]["completion_tokens"] == new_tokens
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+    start = time.time()
+    replies = await asyncio.gather(*[client.post(f"{url}/generate", {**body, "input_ids": p}) for p in prompts])
+    end = time.time()
+    assert all(reply["meta_info"]["completion_tokens"] == new_tokens for reply in replies)
     return start, end
 
 
+def _new_client(connections: int) -> EngineClient:
+    return EngineClient(max_connections=connections, max_retries=0, timeout_s=3600)
+
+
 def _client_process(url: str, prompts: list[list[int]], new_tokens: int, start_at: float) -> float:
-    return asyncio.run(_post_all(url, prompts, new_tokens, start_at))[1]
+    async def run() -> float:
+        async with _new_client(len(prompts)) as client:
+            await client.get(f"{url}/health")  # connected before the common start
+            return (await _post_all(client, url, prompts, new_tokens, start_at))[1]
+
+    return asyncio.run(run())
 
 
-def run_engine(url: str, prompts: list[list[int]], new_tokens: int, pool: ProcessPoolExecutor | None,
-               workers: int = 1) -> float:
-    """Seconds from sending the first request to receiving the last reply. With a pool the requests
-    are split over its client processes, which start together, so the client's own Python (httpx,
-    JSON) is not one core's sequential work."""
-    if pool is None:
-        start, end = asyncio.run(_post_all(url, prompts, new_tokens))
-        return end - start
-    start_at = time.time() + 0.5  # every process has its client ready by then
-    chunks = [prompts[i::workers] for i in range(workers)]
-    ends = list(pool.map(_client_process, [url] * workers, chunks, [new_tokens] * workers, [start_at] * workers))
-    return max(ends) - start_at
+class HttpDriver:
+    """Drives the engine over HTTP as the rollout does: one `EngineClient` on one event loop for
+    every run (slime.rollout.http keeps one per loop), so the connections the warm-up run opened are
+    reused. With `workers` > 1 the requests are split over that many client processes instead, which
+    start together, so the client's own Python (HTTP, JSON) is not one core's sequential work."""
+
+    def __init__(self, url: str, connections: int, workers: int = 1) -> None:
+        self.url, self.workers = url, workers
+        self.pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+                     if workers > 1 else None)
+        self.loop = asyncio.new_event_loop()
+        self.client = _new_client(connections)
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Seconds from sending the first request to receiving the last reply."""
+        if self.pool is None:
+            start, end = self.loop.run_until_complete(_post_all(self.client, self.url, prompts, new_tokens))
+            return end - start
+        start_at = time.time() + 0.5  # every process has its client ready by then
+        chunks = [prompts[i::self.workers] for i in range(self.workers)]
+        ends = list(self.pool.map(_client_process, [self.url] * self.workers, chunks,
+                                  [new_tokens] * self.workers, [start_at] * self.workers))
+        return max(ends) - start_at
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 COUNTERS = ("steps", "prefills", "decodes_ahead")
@@ -162,22 +185,20 @@ def main() -> None:
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),
                                             kv_cache=args.kv_cache,
                                             extra_args=["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
-        pool = (ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
-                if args.client_procs > 1 else None)
+        driver = HttpDriver(url, len(prompts), args.client_procs)
         try:
             engine_times, generate_times = [], []
-            engine_warm = run_engine(url, prompts, args.new_tokens, pool, args.client_procs)
+            engine_warm = driver.run(prompts, args.new_tokens)
             generate_warm = run_generate(model, prompts, args.new_tokens, pad, args.device) if model else 0.0
             before = engine_counters(url)
             for _ in range(args.repeats):
-                engine_times.append(run_engine(url, prompts, args.new_tokens, pool, args.client_procs))
+                engine_times.append(driver.run(prompts, args.new_tokens))
                 if model is not None:
                     generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
             after = engine_counters(url)
         finally:
+            driver.close()
             process.stop()
-            if pool is not None:
-                pool.shutdown()
     print(f"engine over HTTP, per timed run: {describe_counters(before, after, args.repeats)}; "
           f"{args.client_procs} client process(es)")
     results["built-in engine (HTTP)"] = (engine_warm, engine_times)

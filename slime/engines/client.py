@@ -1,15 +1,21 @@
 """The one async HTTP client that rollout code uses to talk to the router and the engines.
 
-A single pooled `httpx.AsyncClient` (bounded connections, so thousands of concurrent generate calls
-queue for a connection instead of opening thousands of sockets), a per-request timeout, and bounded
-retries with exponential backoff and jitter. Retried: connection failures (refused, reset, dropped
-mid-response) and HTTP 429 / 5xx, which is what a restarting engine or a router without a healthy
-worker answers. Never retried: other 4xx (the request itself is wrong) and read timeouts (the engine
-may still be working on the request). After the last attempt an `EngineHTTPError` names the method,
-URL, status and the start of the body.
+A single pooled `aiohttp.ClientSession` (bounded connections, so thousands of concurrent generate
+calls queue for a connection instead of opening thousands of sockets), a per-request timeout, and
+bounded retries with exponential backoff and jitter. Retried: connection failures (refused, connect
+timeout, reset, dropped mid-response) and HTTP 429 / 5xx, which is what a restarting engine or a
+router without a healthy worker answers. Never retried: other 4xx (the request itself is wrong) and
+read timeouts (the engine may still be working on the request). After the last attempt an
+`EngineHTTPError` names the method, URL, status and the start of the body.
 
-Event loops: an `EngineClient` belongs to the event loop that first uses it (httpx pools are bound
-to one loop). Create one per loop, share it among all coroutines of that loop, and `aclose()` it
+Why aiohttp and not httpx: httpcore 1.0.9's pool re-scans every connection for every queued request
+(encode/httpcore#1035, unmerged), so N concurrent requests cost O(N^2) client CPU: 256 concurrent
+generate calls with 128-token replies took ~3 s of client time against a server that answers at
+once, 64 took 0.15 s. aiohttp's connector took 0.35 s for 256 on the same 2-core machine
+(docs/engines.md, "Client").
+
+Event loops: an `EngineClient` belongs to the event loop that first uses it (its session is opened
+there, lazily). Create one per loop, share it among all coroutines of that loop, and `aclose()` it
 (or use `async with`) before the loop ends. Using it from another loop raises RuntimeError.
 """
 
@@ -22,7 +28,7 @@ import logging
 import random
 from typing import Any, Self
 
-import httpx
+import aiohttp
 
 from slime.errors import EngineHTTPError
 
@@ -30,24 +36,24 @@ logger = logging.getLogger(__name__)
 
 _BODY_CHARS = 500
 # Failures where the request never reached the server or the connection broke: safe to retry.
+# (A read timeout, `aiohttp.SocketTimeoutError`, is a `ClientConnectionError` too and is checked first.)
 _RETRY_EXCEPTIONS = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.RemoteProtocolError,
+    aiohttp.ConnectionTimeoutError,
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientPayloadError,
 )
 
 
-def _decode(response: httpx.Response) -> Any:
+def _decode(body: bytes) -> Any:
     """JSON body when there is one, else the text ('' for an empty body)."""
-    if not response.content:
+    if not body:
         return ""
     try:
-        return response.json()
+        return jsonlib.loads(body)
     except (jsonlib.JSONDecodeError, UnicodeDecodeError):
-        return response.text
+        return body.decode("utf-8", errors="replace")
 
 
 class EngineClient:
@@ -59,8 +65,10 @@ class EngineClient:
         """
         Args:
             max_connections: pooled connections in all (requests beyond it wait for a free one).
-            timeout_s: read/write timeout of one attempt (None: no limit). Generation can be slow.
-            connect_timeout_s: TCP connect timeout of one attempt.
+            timeout_s: read timeout of one attempt (None: no limit): the longest the server may stay
+                silent. Generation can be slow.
+            connect_timeout_s: TCP connect timeout of one attempt (waiting for a pooled connection
+                is not limited: the pool size is the queue).
             max_retries: extra attempts after the first (0: no retry).
             backoff_base_s, backoff_max_s: delay before retry k (k = 1, 2, ...) is
                 min(backoff_max_s, backoff_base_s * 2**(k-1)), of which a random half is jitter.
@@ -72,17 +80,16 @@ class EngineClient:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backoff_base_s < 0 or backoff_max_s < 0:
             raise ValueError("backoff_base_s and backoff_max_s must be >= 0")
+        self.max_connections = max_connections
         self.max_retries = max_retries
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.timeout_s = timeout_s
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            # pool=None: wait as long as needed for a pooled connection; the limit is the queue.
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=None),
-            trust_env=trust_env,
-        )
+        self.connect_timeout_s = connect_timeout_s
+        self.trust_env = trust_env
+        self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ public API
     async def post(self, url: str, json: Any = None) -> Any:
@@ -100,10 +107,16 @@ class EngineClient:
     async def request(self, method: str, url: str, *, json: Any = None) -> Any:
         """One request with retries; raises EngineHTTPError when the last attempt fails."""
         self._check_loop()
+        data = None if json is None else jsonlib.dumps(json).encode()  # encoded once for every attempt
         attempts = self.max_retries + 1
         for attempt in range(1, attempts + 1):
             try:
-                response = await self._client.request(method, url, json=json)
+                status, headers, body = await self._attempt(method, url, data)
+            except aiohttp.SocketTimeoutError as exc:
+                raise EngineHTTPError(
+                    f"{method} {url} timed out (no reply within the read timeout of {self.timeout_s} s); "
+                    "not retried because the server may still be processing it",
+                    method=method, url=url) from exc
             except _RETRY_EXCEPTIONS as exc:
                 if attempt == attempts:
                     raise EngineHTTPError(
@@ -113,25 +126,19 @@ class EngineClient:
                 delay = self._delay(attempt, None)
                 logger.debug("%s %s: %s (attempt %d/%d), retrying in %.2f s",
                              method, url, type(exc).__name__, attempt, attempts, delay)
-            except httpx.TimeoutException as exc:
-                raise EngineHTTPError(
-                    f"{method} {url} timed out ({type(exc).__name__}, timeout {self.timeout_s} s); "
-                    "not retried because the server may still be processing it",
-                    method=method, url=url) from exc
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 raise EngineHTTPError(f"{method} {url} failed: {type(exc).__name__}: {exc}",
                                       method=method, url=url) from exc
             else:
-                status = response.status_code
                 if status < 400:
-                    return _decode(response)
-                body = response.text[:_BODY_CHARS]
+                    return _decode(body)
+                text = body.decode("utf-8", errors="replace")[:_BODY_CHARS]
                 retryable = status == 429 or status >= 500
                 if not retryable or attempt == attempts:
                     tried = f" after {attempt} attempt(s)" if retryable else ""
-                    raise EngineHTTPError(f"{method} {url} returned HTTP {status}{tried}: {body}",
-                                          method=method, url=url, status=status, body=body)
-                delay = self._delay(attempt, response.headers.get("retry-after"))
+                    raise EngineHTTPError(f"{method} {url} returned HTTP {status}{tried}: {text}",
+                                          method=method, url=url, status=status, body=text)
+                delay = self._delay(attempt, headers.get("Retry-After"))
                 logger.debug("%s %s: HTTP %d (attempt %d/%d), retrying in %.2f s",
                              method, url, status, attempt, attempts, delay)
             await asyncio.sleep(delay)
@@ -139,7 +146,9 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Close every pooled connection."""
-        await self._client.aclose()
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -150,9 +159,27 @@ class EngineClient:
     @property
     def closed(self) -> bool:
         """Whether `aclose()` has been called."""
-        return self._client.is_closed
+        return self._closed
 
     # ------------------------------------------------------------------ internals
+    async def _attempt(self, method: str, url: str, data: bytes | None) -> tuple[int, Any, bytes]:
+        """One HTTP exchange: status, headers and the whole body."""
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self._open().request(method, url, data=data, headers=headers) as response:
+            return response.status, response.headers, await response.read()
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("EngineClient is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
+                                              sock_read=self.timeout_s),
+                trust_env=self.trust_env,
+            )
+        return self._session
+
     def _delay(self, attempt: int, retry_after: str | None) -> float:
         """Exponential backoff with equal jitter; a numeric Retry-After raises it (capped at the max)."""
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))

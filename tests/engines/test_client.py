@@ -148,21 +148,21 @@ def test_connection_refused_bounded_retries():
     async def main():
         nonlocal attempts
         async with _client(max_retries=2) as client:
-            inner = client._client.request
+            inner = client._attempt
 
             async def counting(*args, **kwargs):
                 nonlocal attempts
                 attempts += 1
                 return await inner(*args, **kwargs)
 
-            client._client.request = counting
+            client._attempt = counting
             await client.post(url, {"text": "hi"})
 
     with pytest.raises(EngineHTTPError) as err:
         asyncio.run(main())
     assert attempts == 3
     assert err.value.url == url and err.value.status is None
-    assert url in str(err.value) and "ConnectError" in str(err.value) and "3 attempt(s)" in str(err.value)
+    assert url in str(err.value) and "ClientConnectorError" in str(err.value) and "3 attempt(s)" in str(err.value)
 
 
 def test_dropped_connections_are_retried():
