@@ -29,7 +29,7 @@ from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-SWITCH_INTERVAL_S = 0.0005
+SWITCH_INTERVAL_S = 0.005
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:

@@ -17,6 +17,12 @@ attention over the row's valid positions, o_proj, residual, norm, MLP, residual)
 Its tensor shapes depend only on (batch bucket, length bucket), so on CUDA each such pair is captured
 once as a CUDA graph and replayed: one launch per step. Rows past B in a bucket compute on free
 slots and are ignored. On CPU the same step runs eagerly (used by the tests).
+
+A replayed step still runs every kernel the eager step launches, and at decode sizes each takes a few
+microseconds whatever its work: the eager modules launch ~40 per layer (an RMSNorm alone is six
+elementwise kernels). On CUDA the elementwise pieces (residual add + RMSNorm, rotary embedding,
+SiLU x up) are therefore `torch.compile`d once, with dynamic shapes, into one kernel each before the
+graphs are captured (same formulas as the `transformers` modules; `fuse=False` keeps the modules).
 """
 
 from __future__ import annotations
@@ -45,6 +51,20 @@ def slot_support(model: Any) -> str | None:
     return None
 
 
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual + delta` and its RMSNorm, computed as the `transformers` Qwen2/Qwen3/Llama RMSNorm
+    does (fp32 statistics, cast back, then the weight); one kernel once compiled."""
+    hidden = residual + delta
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return hidden, weight * x.to(hidden.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 def _buckets(limit: int, start: int) -> list[int]:
     sizes, size = [], start
     while size < limit:
@@ -56,7 +76,8 @@ def _buckets(limit: int, start: int) -> list[int]:
 class SlotDecoder:
     """The slot cache of one model and its decode step (graph-captured on CUDA)."""
 
-    def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool) -> None:
+    def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
+                 fuse: bool = True) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
@@ -73,6 +94,12 @@ class SlotDecoder:
         self.kv_heads = config.num_key_value_heads
         self.scaling = attention.scaling
         self._rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self.fused = fuse and self.cuda_graphs
+        self._silu_mlp = getattr(config, "hidden_act", None) == "silu"
+        if self.fused:  # compiled at the first decode, before any capture (see the module docstring)
+            self._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
+            self._rotate = torch.compile(self._rotate, dynamic=True)
+            self._silu_mul = torch.compile(silu_mul, dynamic=True)
         dtype = next(model.parameters()).dtype
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -157,17 +184,29 @@ class SlotDecoder:
         self._pool = graph.pool()
         return graph, logits
 
+    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            return self._add_norm_fn(residual, delta, norm.weight, norm.variance_epsilon)
+        hidden = residual + delta
+        return hidden, norm(hidden)
+
+    def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self._silu_mlp:
+            return mlp.down_proj(self._silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return mlp(x)
+
     def _step(self, batch: int, length: int) -> torch.Tensor:
         model = self.model.model
         tokens, positions = self.tokens[:batch], self.positions[:batch]
         rows = torch.arange(batch, device=self.device)
-        hidden = model.embed_tokens(tokens.unsqueeze(1))  # [B, 1, H]
+        hidden = model.embed_tokens(tokens.unsqueeze(1))  # [B, 1, H]: the residual stream
         cos, sin = model.rotary_emb(hidden, positions.unsqueeze(1))
         # a row attends to its positions 0 .. p (True = attend)
         mask = (torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
-        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
+        x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [model.norm]
+        for layer, keys, values, next_norm in zip(self.layers, self.keys, self.values, norms, strict=True):
             attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
             q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim)
             k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
             v = attention.v_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
@@ -181,6 +220,7 @@ class SlotDecoder:
             q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys[:batch, :, :length], values[:batch, :, :length],
                                                  attn_mask=mask, scale=self.scaling)
-            hidden = hidden + attention.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(model.norm(hidden))[:, 0]
+            out = attention.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
+            hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
+            hidden, x = self._add_norm(hidden, self._mlp(layer.mlp, x), next_norm)
+        return self.model.lm_head(x)[:, 0]
