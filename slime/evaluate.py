@@ -49,7 +49,7 @@ from slime.storage import (
     commit_directory,
     is_committed,
     manifest_hash,
-    read_manifest,
+    reusable_manifest,
     write_samples,
 )
 from slime.storage.fs import join_uri, open_fs
@@ -242,11 +242,9 @@ def run_evaluate(config: Config) -> dict[str, Any]:
         return {"skipped": True, "reason": plan.reason, "seconds": time.perf_counter() - started}
     source, uri, key, settings, datasets = plan.source, plan.uri, plan.key, plan.settings, plan.datasets
     store = ArtifactStore.from_config(config)
-    if is_committed(uri, store.storage_options):
-        manifest = read_manifest(uri, store.storage_options)
-        if manifest.config_hash != key:
-            raise ConfigError(f"{uri} holds an eval with another key ({manifest.config_hash}); remove it or "
-                              "use another run_id")
+    manifest = reusable_manifest(uri, key, "{uri} holds an eval with another key ({found}); remove it or "
+                                 "use another run_id", store.storage_options)
+    if manifest is not None:
         result = _result(manifest.metadata, uri, manifest_hash(uri, store.storage_options), started, reused=True)
         if config.eval.eval_watch_run:
             reason = f"{source} was evaluated with this config already: {uri}"

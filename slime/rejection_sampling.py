@@ -178,7 +178,7 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from slime.data.prompts import load_prompts
-    from slime.storage import ArtifactStore, is_committed, read_manifest, write_samples
+    from slime.storage import ArtifactStore, reusable_manifest, write_samples
 
     config.require("run.run_id", stage=STAGE)
     rs, data = config.rejection_sampling, config.data
@@ -191,11 +191,10 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
     out_uri = store.uri(config.run.run_id, STAGE, rs.rs_output_name)
     candidates_uri = store.uri(config.run.run_id, STAGE, f"{rs.rs_output_name}-candidates")
     config_hash = _config_hash(config)
-    if is_committed(out_uri, store.storage_options):
-        manifest = read_manifest(out_uri, store.storage_options)
-        if manifest.config_hash != config_hash:
-            raise ConfigError(f"{out_uri} is already committed by a different rejection-sampling config; set "
-                              "another rs_output_name or run_id")
+    manifest = reusable_manifest(out_uri, config_hash, "{uri} is already committed by a different "
+                                 "rejection-sampling config; set another rs_output_name or run_id",
+                                 store.storage_options)
+    if manifest is not None:
         logger.info("rejection sampling output %s is committed already: reusing it", out_uri)
         return {**manifest.metadata["summary"], "output": out_uri, "candidates": candidates_uri, "reused": True}
 

@@ -1,6 +1,13 @@
 """The fsspec artifact store: run/stage layout, Arrow shard sets, manifests committed last."""
 
-from slime.storage.manifest import Manifest, commit_directory, is_committed, manifest_hash, read_manifest
+from slime.storage.manifest import (
+    Manifest,
+    commit_directory,
+    is_committed,
+    manifest_hash,
+    read_manifest,
+    reusable_manifest,
+)
 from slime.storage.schema import SAMPLE_SCHEMA, SCHEMA_VERSION
 from slime.storage.shards import ShardSet, ShardSetWriter, read_samples, write_samples
 from slime.storage.store import ArtifactStore
@@ -17,5 +24,6 @@ __all__ = [
     "manifest_hash",
     "read_manifest",
     "read_samples",
+    "reusable_manifest",
     "write_samples",
 ]

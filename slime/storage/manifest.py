@@ -22,7 +22,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slime import __version__
-from slime.errors import AlreadyCommittedError, CorruptArtifactError, NotCommittedError
+from slime.errors import AlreadyCommittedError, ConfigError, CorruptArtifactError, NotCommittedError
 from slime.storage.fs import is_local, join_uri, open_fs
 
 MANIFEST_NAME = "manifest.json"
@@ -112,6 +112,23 @@ def manifest_hash(uri: str, storage_options: dict[str, Any] | None = None) -> st
 def is_committed(uri: str, storage_options: dict[str, Any] | None = None) -> bool:
     fs, path = open_fs(manifest_uri(uri), storage_options)
     return fs.exists(path)
+
+
+def reusable_manifest(uri: str, config_hash: str, conflict: str,
+                      storage_options: dict[str, Any] | None = None) -> Manifest | None:
+    """The manifest at `uri` if it was committed with `config_hash`; None when nothing is committed there.
+
+    A stage whose output location follows from its config returns the committed output instead of
+    computing it again. An output committed there with another key is never replaced: ConfigError
+    with `conflict` formatted with `uri` and `found` (the committed key); it should say how to pick
+    another location.
+    """
+    if not is_committed(uri, storage_options):
+        return None
+    manifest = read_manifest(uri, storage_options)
+    if manifest.config_hash != config_hash:
+        raise ConfigError(conflict.format(uri=uri, found=manifest.config_hash))
+    return manifest
 
 
 def commit_manifest(uri: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> str:
