@@ -111,6 +111,16 @@ def test_after_a_weight_sync_the_engines_sample_from_the_trained_policy(manager,
     check_first_step(group.train(11, uri))
 
 
+def train_one_rank(config, placement, uri: str) -> dict:
+    """Train rollout 10 (`uri`) on a fresh 1-rank group that starts from scratch; its train metrics."""
+    group = TrainGroup(config, placement, world_size=1)
+    try:
+        assert group.init() == 0
+        return group.train(10, uri)
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.slow
 def test_one_rank_trains_like_two(config, placement, trained):
     uri, metrics, _, _ = trained
@@ -121,12 +131,7 @@ def test_one_rank_trains_like_two(config, placement, trained):
     single.algorithm.use_kl_loss = True
     single.algorithm.kl_loss_coef = 0.5
     single.algorithm.kl_loss_type = "k3"
-    one = TrainGroup(single, placement, world_size=1)
-    try:
-        assert one.init() == 0
-        alone = one.train(10, uri)
-    finally:
-        one.shutdown()
+    alone = train_one_rank(single, placement, uri)
     check_first_step(alone)
     assert alone["rollout/kl"] == pytest.approx(0.0, abs=1e-7) and alone["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
@@ -152,12 +157,7 @@ def test_two_steps_per_rollout_use_the_old_log_probs(config, placement, trained)
     two_steps.checkpoint.save = None
     two_steps.train.global_batch_size = None
     two_steps.train.num_steps_per_rollout = 2
-    group = TrainGroup(two_steps, placement, world_size=1)
-    try:
-        assert group.init() == 0
-        metrics = group.train(10, uri)
-    finally:
-        group.shutdown()
+    metrics = train_one_rank(two_steps, placement, uri)
     assert metrics["train/steps"] == 2
     # step 1's ratio is exactly 1; step 2 compares the updated policy with the rollout-time log-probs
     # (were they recomputed per step instead, ppo_kl would be 0 on both)
