@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,7 +28,6 @@ from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-SWITCH_INTERVAL_S = 0.005
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -223,9 +221,5 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k != "log_level"})
     engine = BuiltinEngine(engine_args)
-    # The HTTP thread gives up the GIL at every socket call; while the model thread runs Python (an
-    # eager prefill, step bookkeeping) taking it back waits up to the switch interval, 5 ms by
-    # default: one request admitted per 5 ms. A shorter interval hands it back sooner.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
     return 0
