@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import httpx
 
@@ -249,37 +249,6 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = "not started" if self._popen is None else ("alive" if self.alive else f"exited {self.returncode}")
         return f"ServerProcess({self.name!r}, pid={self.pid}, {state}, log={str(self.log_path)!r})"
-
-
-class ManagedServer:
-    """The lifecycle shared by classes whose `start()` launches one `ServerProcess` into `self.process`.
-
-    `SGLangEngine` and `SGLangRouter` build their own command and health check; stopping, liveness and
-    the `with` block are the same for both and live here. `stop_timeout_s` is a class's default grace
-    period between SIGTERM and SIGKILL; a class with more to release overrides `stop` and calls this one.
-    """
-
-    process: ServerProcess | None = None
-    stop_timeout_s: ClassVar[float] = 10.0
-
-    def start(self) -> Self:
-        raise NotImplementedError
-
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Stop the server's whole process group (idempotent); `timeout_s` defaults to `stop_timeout_s`."""
-        if self.process is not None:
-            self.process.stop(timeout_s=self.stop_timeout_s if timeout_s is None else timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the server process was started and is still running."""
-        return self.process is not None and self.process.alive
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def start_server(cmd: Sequence[str], *, log_path: str | os.PathLike[str], health_url: str, timeout_s: float,

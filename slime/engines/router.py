@@ -38,7 +38,6 @@ import httpx
 
 from slime.engines.client import EngineClient
 from slime.engines.process import (
-    ManagedServer,
     ServerProcess,
     find_free_port,
     flag_key,
@@ -125,10 +124,8 @@ async def broadcast_to_workers(client: EngineClient, urls: Iterable[str], path: 
     return dict(zip(urls, results, strict=True))
 
 
-class SGLangRouter(ManagedServer):
+class SGLangRouter:
     """A sglang-router process on `host` (127.0.0.1 by default) with its own free ports."""
-
-    stop_timeout_s = 15.0
 
     def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, policy: str | None = None,
                  worker_urls: Sequence[str] = (), health_check_interval_secs: float | None = None,
@@ -204,12 +201,23 @@ class SGLangRouter(ManagedServer):
         logger.info("sglang-router ready at %s (policy %s)", self.url, self.router_args.get("policy"))
         return self
 
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Close the admin HTTP client, then stop the router process group (idempotent; 15 s grace)."""
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop the router process group (idempotent)."""
         if self._http is not None:
             self._http.close()
             self._http = None
-        super().stop(timeout_s)
+        if self.process is not None:
+            self.process.stop(timeout_s=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     # ------------------------------------------------------------------ worker registry (sync admin calls)
     def _request(self, method: str, path: str, *, json: Any = None, ok: tuple[int, ...] = (200,)) -> Any:

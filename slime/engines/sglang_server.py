@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Self
 
 from slime.engines.process import (
-    ManagedServer,
     ServerProcess,
     find_free_port,
     flag_key,
@@ -128,13 +127,8 @@ def build_sglang_command(model_path: str | os.PathLike[str], host: str, port: in
             "--host", host, "--port", str(port), *flags_to_argv(args)]
 
 
-class SGLangEngine(ManagedServer):
-    """One SGLang server process: start, wait until `/health_generate` answers, stop (whole group).
-
-    `stop()` waits up to 30 s after SIGTERM: the server and every process it forked release the GPU.
-    """
-
-    stop_timeout_s = 30.0
+class SGLangEngine:
+    """One SGLang server process: start, wait until `/health_generate` answers, stop (whole group)."""
 
     def __init__(self, model_path: str | os.PathLike[str], *, sglang_args: Mapping[str, Any] | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
@@ -172,3 +166,18 @@ class SGLangEngine(ManagedServer):
                                     timeout_s=self.startup_timeout_s, interval_s=2.0, env=self.env,
                                     name=f"sglang@{self.port}")
         return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the server and every process it forked (idempotent)."""
+        if self.process is not None:
+            self.process.stop(timeout_s=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

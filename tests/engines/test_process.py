@@ -1,5 +1,4 @@
-"""ServerProcess with real children: health wait, log capture, process-group stop, start failures;
-the ManagedServer lifecycle (stop grace, liveness, `with`) the router and the SGLang launcher share."""
+"""ServerProcess with real children: health wait, log capture, process-group stop, start failures."""
 
 import os
 import sys
@@ -9,14 +8,7 @@ from pathlib import Path
 import pytest
 from proc_checks import port_free, running
 
-from slime.engines.process import (
-    ManagedServer,
-    ServerProcess,
-    find_free_port,
-    flags_to_argv,
-    server_url,
-    start_server,
-)
+from slime.engines.process import ServerProcess, find_free_port, flags_to_argv, server_url, start_server
 from slime.errors import EngineStartError
 
 pytestmark = pytest.mark.timeout(60)
@@ -193,39 +185,3 @@ def test_unstopped_server_is_stopped_at_interpreter_exit(tmp_path):
     leader = int(out.stdout.strip())
     child = int(pidfile.read_text())
     assert not running(leader) and not running(child)
-
-
-class _Stubborn(ManagedServer):
-    """A server whose whole group ignores SIGTERM, so a stop lasts its grace period, then SIGKILL."""
-
-    stop_timeout_s = 2.0
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.ready = tmp_path / "ready"
-        self.log_path = tmp_path / "stubborn.log"
-        self.process = None
-
-    def start(self) -> "_Stubborn":
-        cmd = ["sh", "-c", f"trap '' TERM; sleep 300 & echo up > {self.ready}; wait"]
-        self.process = ServerProcess(cmd, log_path=self.log_path, name="stubborn").start()
-        _wait_for_file(self.ready)  # the trap is set: TERM is ignored from here on
-        self.ready.unlink()
-        return self
-
-
-def test_managed_server_stops_after_its_class_grace_period_or_the_given_one(tmp_path):
-    server = _Stubborn(tmp_path)
-    assert not server.alive
-    server.stop()  # never started: nothing to stop
-    with server:
-        assert server.alive and server.process is not None
-        pid = server.process.pid
-        mark = time.monotonic()
-    assert 2.0 <= time.monotonic() - mark < 8.0  # leaving the block waited the class's 2 s, not the base 10 s
-    assert not server.alive and not running(pid)
-    server.stop()  # idempotent
-
-    again = _Stubborn(tmp_path).start()
-    mark = time.monotonic()
-    again.stop(timeout_s=0.1)
-    assert time.monotonic() - mark < 2.0 and not again.alive
