@@ -113,9 +113,22 @@ class DistributedSync:
         device = sending_device(self.backend)  # this thread's device; the group's threads start on cuda:0
         joining = in_thread(lambda: _TrainerGroup(self.master_address, port, world_size, self.backend, self.timeout,
                                                   device))
+        # the engines answer once the group has formed, which needs this rank as well
+        posting = asyncio.ensure_future(
+            post_all(client, urls, "/init_weights_update_group", bodies, phase="connect", state=state))
+        await asyncio.wait([joining, posting], return_when=asyncio.FIRST_COMPLETED)
+        if joining.done() and joining.exception() is not None and not posting.done():
+            # this rank could not open the group (its store's port taken, say): the engines would wait
+            # for it until the group timeout, so stop waiting now and report why
+            posting.cancel()
+            await asyncio.wait([posting])
+            await self._destroy_on(client, urls)
+            error = joining.exception()
+            raise WeightSyncError(
+                f"this trainer could not open the weight-sync group on {self.master_address}:{port}: "
+                f"{type(error).__name__}: {error}", phase="connect", state=state) from error
         try:
-            # the engines answer once the group has formed, which needs this rank as well
-            await post_all(client, urls, "/init_weights_update_group", bodies, phase="connect", state=state)
+            await posting
         except WeightSyncError:
             # The trainer's side waits for the missing ranks until the timeout on its own daemon thread.
             await self._destroy_on(client, urls)

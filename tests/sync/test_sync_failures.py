@@ -5,6 +5,8 @@ and leaves the engines paused, and the next good sync recovers."""
 import asyncio
 import base64
 import pickle
+import socket
+import time
 
 import pytest
 import torch
@@ -136,3 +138,37 @@ def test_distributed_group_is_reused_and_reformed_when_engines_change(cluster, h
     assert after_change == [["slime_weight_sync"], []], "the engine left out must have left the old group"
     assert [http.get(f"{url}/model_info").json()["weight_version"] for url in urls] == ["g3", "g2"]
     assert [state(http, url)["weight_update_groups"] for url in urls] == [[], []]
+
+
+def test_trainer_that_cannot_open_its_group_fails_at_once_and_the_next_sync_recovers(cluster, http, hf_weights,
+                                                                                     monkeypatch):
+    """The trainer's store port is taken: the engines would wait for rank 0 until the group timeout;
+    the sync fails as soon as the trainer's side does, saying why, and a later sync forms the group."""
+    _, urls = cluster
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    monkeypatch.setattr("slime.sync.distributed.find_free_port", lambda host: taken.getsockname()[1])
+
+    async def run(config):
+        syncer = WeightSyncer(config)
+        try:
+            return await syncer.sync(urls, lambda: iter(hf_weights.items()), "after-taken-port")
+        finally:
+            await syncer.close()
+
+    # the engines' own join attempt gives up after the group timeout: keep it short for the fixture's teardown
+    config = SyncConfig(weight_sync_mode="distributed", weight_sync_timeout_s=20)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match="could not open the weight-sync group") as caught:
+            asyncio.run(run(config))
+    finally:
+        taken.close()
+    assert caught.value.phase == "connect"
+    assert time.monotonic() - start < 15, "must not wait for the group timeout"
+    monkeypatch.undo()
+    result = asyncio.run(run(config))
+    assert result.mode == "distributed"
+    assert all(http.get(f"{url}/model_info").json()["weight_version"] == "after-taken-port" for url in urls)
+    assert all(state(http, url)["paused"] is False for url in urls)
