@@ -92,6 +92,9 @@ def run_sft(config: Config) -> dict[str, Any]:
             load_model_checkpoint(models, resolve_checkpoint(config.checkpoint.load))
         else:
             bridge.load_weights(models, hf_dir)
+        # bf16/fp16: the optimizer's fp32 main params were copied from the model when it was built (Megatron's
+        # random init); refresh them from the loaded weights, or the first step writes the init back
+        optimizer.reload_model_params()
 
     def save_at(step: int) -> None:
         _save(config, bridge, models, optimizer, scheduler, step, losses, data_plan)

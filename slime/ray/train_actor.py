@@ -146,6 +146,9 @@ class TrainActor:
                 resume = path
             else:
                 load_model_checkpoint(self.models, path)
+                # bf16/fp16: the optimizer's fp32 main copies were taken from the weights at build time; without
+                # this the first step would write those (Megatron's random init) back over the loaded model
+                self.optimizer.reload_model_params()
                 logger.info("rank %d: weights from %s (model only)", self.rank, path)
                 return 0
         if resume is not None:
@@ -161,6 +164,7 @@ class TrainActor:
             load_model_checkpoint(self.models, resolve_checkpoint(ck.ref_load))
         else:
             self.bridge.load_weights(self.models, ck.hf_checkpoint)
+        self.optimizer.reload_model_params()  # the main params from the loaded weights, as above
         return 0
 
     def _load_reference(self) -> None:

@@ -1,0 +1,23 @@
+"""A bf16 train rank keeps the weights it loaded until it trains, through the colocated cycle
+(train_actor_cycle.py; CPU in CI, CUDA with -m gpu, where offload and onload move real memory).
+
+History: the first GPU pipeline run (2026-11-25, H100) trained RL from the SFT checkpoint, and after the
+first step every reward was 0. In bf16 megatron-core's optimizer keeps fp32 main copies of the weights,
+taken when it is built, before the checkpoint is loaded; its first step wrote them (Megatron's random
+init) back over the loaded model. bf16 on CPU shows it too, so the CPU case guards it in CI.
+"""
+
+import pytest
+import torch
+from script_rows import rows_by_case, run_script
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, device):
+    if (device == "cuda") != torch.cuda.is_available():
+        pytest.fail(f"the {device} case runs where the train rank uses {device}: -m gpu on the GPU machine, "
+                    "the default selection elsewhere")
+    rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, timeout=600))
+    assert rows["offload/onload"]["moved"] == 0.0
+    assert rows["step 0"]["lr"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # warmup starts at lr 0
+    assert 0.0 < rows["step 1"]["moved"] < rows["step 2"]["moved"] < 0.01, rows

@@ -1,0 +1,78 @@
+"""A bf16 train rank (slime.ray.train_actor.TrainActor, without Ray) through the colocated cycle.
+
+    python tests/backends/megatron/train_actor_cycle.py MODEL_DIR WORK_DIR
+
+Prints one JSON row for an offload/onload round trip and one per train step (each step preceded by an
+offload/onload, as the RL loop does when colocated): the learning rate and the largest weight change
+from the loaded weights. Offload and onload are no-ops on CPU.
+"""
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from slime.backends.megatron.bridge import export_hf_weights
+from slime.config import Config
+from slime.ray.train_actor import TrainActor
+from slime.storage import write_samples
+from slime.types import Sample, Status
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights(actor: TrainActor) -> dict[str, torch.Tensor]:
+    return {name: t.detach().float().cpu().clone() for name, t in export_hf_weights(actor.bridge, actor.models)}
+
+
+def rollout(uri: str, groups: int, n: int) -> None:
+    """`groups` groups of `n` samples with rewards that differ inside each group (non-zero advantages)."""
+    samples = []
+    for g in range(groups):
+        for i in range(n):
+            prompt, response = [65 + g, 66, 67], [48 + i % 10, 49, 50, 51]
+            samples.append(Sample(group_index=g, index=g * n + i, prompt="p", tokens=prompt + response,
+                                  response="r", response_length=len(response), label="1", reward=float(i % 2),
+                                  loss_mask=[1] * len(response), rollout_log_probs=[-1.0] * len(response),
+                                  status=Status.COMPLETED))
+    write_samples(uri, samples)
+
+
+def main(model_dir: str, work: Path) -> None:
+    config = Config.model_validate({
+        "run": {"store": str(work), "run_id": "cycle"}, "checkpoint": {"hf_checkpoint": model_dir},
+        "cluster": {"colocate": True},
+        "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 3},
+        "algorithm": {"use_kl_loss": True, "kl_loss_coef": 0.0},
+        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4, "lr_warmup_iters": 2},
+        "megatron": {"bf16": True}})
+    actor = TrainActor(config.model_dump(mode="json"), 0, 1)
+    actor.init(f"tcp://127.0.0.1:{free_port()}")
+    loaded = weights(actor)
+
+    def moved() -> float:
+        now = weights(actor)
+        assert all(torch.isfinite(v).all() for v in now.values())
+        return max((now[k] - loaded[k]).abs().max().item() for k in loaded)
+
+    actor.offload()
+    actor.onload()
+    print(json.dumps({"case": "offload/onload", "moved": moved()}), flush=True)
+    for step in range(3):
+        uri = str(work / f"rollout{step}")
+        rollout(uri, 4, 4)
+        actor.offload()
+        actor.onload()
+        metrics = actor.train(step, uri)
+        print(json.dumps({"case": f"step {step}", "lr": metrics["train/lr"], "moved": moved()}), flush=True)
+    actor.offload()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
