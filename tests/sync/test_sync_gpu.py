@@ -95,3 +95,30 @@ def test_gpu_sync_matches_trainer_model(engine, tiny_kit, mode):
         result = asyncio.run(run())
     print(f"{mode}: {result.bytes / 1e6:.1f} MB, {result.buckets} buckets, {result.seconds}")
     check_engine_matches(url, model, f"gpu-{mode}")
+
+
+def test_colocated_cycle_release_resume_sync(engine, tiny_kit):
+    """The RL loop's colocated cycle on the engine, twice: release its memory (rollout done), resume it
+    (training done), tensor-sync the trained weights, decode. Each round's weights must be the engine's."""
+    url, device = engine
+    with torch.cuda.device(device):
+        model = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.bfloat16).to(device).eval()
+        generator = torch.Generator(device=device).manual_seed(5)
+        syncer = WeightSyncer(SyncConfig(weight_sync_mode="tensor"))
+
+        async def cycles():
+            try:
+                for round_ in range(2):
+                    with httpx.Client(timeout=120, trust_env=False) as http:
+                        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                            assert http.post(f"{url}{path}", json={}).status_code == 200, path
+                    with torch.no_grad():
+                        for param in model.parameters():
+                            noise = torch.randn(param.shape, generator=generator, device=device)
+                            param.add_(0.05 * noise.to(param.dtype))
+                    await syncer.sync([url], lambda: iter(model.state_dict().items()), f"cycle-{round_}")
+                    check_engine_matches(url, model, f"cycle-{round_}")
+            finally:
+                await syncer.close()
+
+        asyncio.run(cycles())
