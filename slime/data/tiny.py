@@ -111,7 +111,11 @@ class ModelRecipe(_Strict):
 class DataRecipe(_Strict):
     """Synthetic integer arithmetic: operand digit tiers and split sizes."""
 
-    ops: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    # false: the SFT answer is the bare result ("125"). true: it is worked out, as in long multiplication
+    # ("a*b" lists a times each digit of b in place, then adds them up line by line) and ends with
+    # \boxed{result}, the form slime's math rewards read.
+    worked_steps: bool = False
     train_digits: list[Digits] = Field(default_factory=lambda: [2], min_length=1)
     eval_digits: list[Digits] = Field(default_factory=lambda: [2], min_length=1)
     allow_negative: bool = False
@@ -233,9 +237,33 @@ def _draw(rng: random.Random, digits: int, data: DataRecipe) -> dict[str, Any]:
     a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(data.ops)
     if op == "-" and not data.allow_negative and a < b:
         a, b = b, a
-    answer = a + b if op == "+" else a - b
+    answer = a + b if op == "+" else a - b if op == "-" else a * b
     meta = {"a": a, "b": b, "op": op, "digits": digits}
     return {"prompt": f"{a}{op}{b}=", "label": str(answer), "metadata": meta}
+
+
+def worked_answer(a: int, op: str, b: int) -> str:
+    """The SFT answer with its working: for `*` one line per digit of `b` (least significant first) with
+    that digit in place (`347*80=27760`), then the running sum of those lines, then the boxed result.
+
+        347*86=  ->  347*6=2082
+                     347*80=27760
+                     2082+27760=29842
+                     \\boxed{29842}
+
+    `+` and `-` get the boxed result alone. Every step is checkable, which is what lets a model of ~100M
+    parameters learn multi-digit products from scratch that it cannot learn as one bare number.
+    """
+    if op != "*":
+        return rf"\boxed{{{a + b if op == '+' else a - b}}}"
+    digits = str(b)[::-1]
+    parts = [a * int(d) * 10**i for i, d in enumerate(digits)]
+    lines = [f"{a}*{int(d) * 10**i}={p}" for i, (d, p) in enumerate(zip(digits, parts, strict=True))]
+    total = parts[0]
+    for p in parts[1:]:
+        lines.append(f"{total}+{p}={total + p}")
+        total += p
+    return "\n".join([*lines, rf"\boxed{{{total}}}"])
 
 
 def _draw_split(
@@ -265,8 +293,12 @@ def make_datasets(recipe: TinyKitRecipe) -> dict[str, list[dict[str, Any]]]:
     eval_rows = _draw_split(rng["eval"], d.num_eval, d.eval_digits, d, None)
     held_out = {r["prompt"] for r in eval_rows}
     train = _draw_split(rng["train"], d.num_train, d.train_digits, d, held_out)
+    def answer(r: dict[str, Any]) -> str:
+        m = r["metadata"]
+        return worked_answer(m["a"], m["op"], m["b"]) if d.worked_steps else r["label"]
+
     sft = [
-        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["label"]}]}
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": answer(r)}]}
         for r in _draw_split(rng["sft"], d.num_sft, d.train_digits, d, held_out)
     ]
     return {"train": train, "eval": eval_rows, "sft": sft}
