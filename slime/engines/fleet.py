@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from slime.config import Config
+from slime.engines.process import flag_key
 from slime.engines.router import SGLangRouter
 from slime.errors import ConfigError, EngineError, EngineStartError
 
@@ -95,6 +96,21 @@ class EngineSlot:
 _launch_lock = threading.Lock()  # CUDA_VISIBLE_DEVICES is process-wide: one launch at a time
 
 
+def managed_router_args(router_args: dict[str, Any]) -> dict[str, Any]:
+    """The router flags for a fleet: the user's, with the circuit breaker off unless they configure it.
+
+    The fleet watches and replaces its engines itself (`slime.engines.health`). sglang-router's breaker
+    (on by default: 10 failed requests within 120 s) takes a worker out of rotation for a minute on its own,
+    and with one engine every request is then answered 503 `no_available_workers`: the first GPU pipeline
+    run lost its RL stage that way at step 34 of 40. `--router-cb-*` or `--router-disable-circuit-breaker`
+    given by the user win.
+    """
+    keys = {flag_key(str(k)) for k in router_args}
+    if any(k.startswith("cb_") or k == "disable_circuit_breaker" for k in keys):
+        return dict(router_args)
+    return {**router_args, "disable_circuit_breaker": True}
+
+
 @contextlib.contextmanager
 def _visible_devices(devices: list[int]) -> Iterator[None]:
     """`CUDA_VISIBLE_DEVICES` for a child started inside the block (hold `_launch_lock`)."""
@@ -141,7 +157,7 @@ class EngineFleet:
             for slot in self.slots:
                 self._launch(slot)
             self.router = SGLangRouter(host=c.engine.sglang_router_ip, port=c.engine.sglang_router_port,
-                                       worker_urls=[s.url for s in self.slots], router_args=c.router,
+                                       worker_urls=[s.url for s in self.slots], router_args=managed_router_args(c.router),
                                        log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_workers_healthy(len(self.slots), timeout_s=ROUTER_WAIT_S)

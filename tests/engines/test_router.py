@@ -236,3 +236,15 @@ def test_router_start_failure_is_reported(tmp_path):
     assert "invalid choice" in str(err.value) and "no_such_policy" in str(err.value)
     assert not r.alive
     assert os.path.exists(tmp_path / "r.log")
+
+
+def test_fleet_router_runs_without_circuit_breaker_unless_configured():
+    from slime.engines.fleet import managed_router_args
+
+    assert managed_router_args({}) == {"disable_circuit_breaker": True}
+    assert managed_router_args({"policy": "random"}) == {"policy": "random", "disable_circuit_breaker": True}
+    assert managed_router_args({"cb_failure_threshold": 50}) == {"cb_failure_threshold": 50}
+    assert managed_router_args({"disable-circuit-breaker": False}) == {"disable-circuit-breaker": False}
+    # the flag reaches the router's command line
+    cmd = SGLangRouter(router_args=managed_router_args({})).command()
+    assert "--disable-circuit-breaker" in cmd
