@@ -100,13 +100,15 @@ _lock = threading.Lock()
 _child: _Child | None = None
 
 
-def call_with_timeout(fn: str, args: list[Any], timeout_s: float = GRADE_TIMEOUT_S) -> Any:
+def call_with_timeout(fn: str, args: list[Any], timeout_s: float | None = None) -> Any:
     """`fn(*args)` run in the grading child (`fn` a dotted path, `args` and result JSON values).
 
-    Raises GradingTimeout after `timeout_s` (the child is killed and replaced on the next call), and
-    GradingProcessError when `fn` raises or the child dies. Calls from several threads take turns.
+    Raises GradingTimeout after `timeout_s` (default GRADE_TIMEOUT_S; the child is killed and replaced
+    on the next call), and GradingProcessError when `fn` raises or the child dies. Calls from several
+    threads take turns.
     """
     global _child
+    timeout_s = GRADE_TIMEOUT_S if timeout_s is None else timeout_s
     with _lock:
         if _child is None or _child.popen.poll() is not None:
             _child = _Child()
