@@ -54,6 +54,7 @@ class _Child:
                                       stdout=subprocess.PIPE, text=True, bufsize=1)
         self.answers: queue.Queue[str | None] = queue.Queue()
         self.loaded: set[str] = set()
+        self.owner = os.getpid()
         threading.Thread(target=self._read, args=(self.popen.stdout,), daemon=True,
                          name=f"grading-reader-{self.popen.pid}").start()
 
@@ -110,7 +111,8 @@ def call_with_timeout(fn: str, args: list[Any], timeout_s: float | None = None) 
     global _child
     timeout_s = GRADE_TIMEOUT_S if timeout_s is None else timeout_s
     with _lock:
-        if _child is None or _child.popen.poll() is not None:
+        # a forked copy of this process must not share its parent's child (their answers would mix)
+        if _child is None or _child.owner != os.getpid() or _child.popen.poll() is not None:
             _child = _Child()
         try:
             return _child.call(fn, args, timeout_s)
@@ -134,9 +136,9 @@ def stop_grading_process() -> None:
     """Stop the grading child, if one runs (also at interpreter exit)."""
     global _child
     with _lock:
-        if _child is not None:
+        if _child is not None and _child.owner == os.getpid():
             _child.stop()
-            _child = None
+        _child = None
 
 
 def _exit_when_orphaned(parent: int) -> None:
