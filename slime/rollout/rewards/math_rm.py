@@ -8,9 +8,10 @@ One departure: a numeric label 0 is graded (slime's `if not ground_truth` gives 
 `math_verify` also reads an unboxed answer: without a box the whole response goes to Hugging Face's
 math-verify, which finds the final answer in it ("19<|im_end|>", how the tiny arithmetic kit answers);
 with boxes (`\\boxed{}`, `\\fbox{}`, `\\boxed 5`), the last one is the answer. The label is read as LaTeX
-(math-verify reads `\\sqrt{8}` or `\\frac34` only between math delimiters, so the label is wrapped in
-`$...$`), and where math-verify says no, slime's two graders above still may say yes. math-verify is
-more lenient than slime's graders: it takes `\\frac{2}{4}` for `1/2` and `\\sqrt{16}` for `4`.
+(math-verify reads `\\sqrt{8}` or `\\frac34` only inside math delimiters or a box, so a label without
+delimiters is read as `\\boxed{label}`), and where math-verify says no, slime's two graders above still
+may say yes. math-verify is more lenient than slime's graders: it takes `\\frac{2}{4}` for `1/2` and
+`\\sqrt{16}` for `4`.
 
 Everything that runs sympy runs in the grading process (`grading_process`): one answer that takes more
 than GRADE_TIMEOUT_S scores 0 (logged), from any thread.
@@ -32,7 +33,8 @@ from slime.rollout.rewards.sympy_grader import sympy_equal
 
 logger = logging.getLogger(__name__)
 
-_SYMPY_EQUAL = f"{__name__.rsplit('.', 1)[0]}.sympy_grader.sympy_equal"
+# dotted paths of the functions the grading process runs
+_SYMPY_EQUAL = f"{sympy_equal.__module__}.{sympy_equal.__name__}"
 _MATH_VERIFY_EQUAL = f"{__name__}.math_verify_equal"
 
 
