@@ -4,7 +4,7 @@ Two built-in engines behind the real sglang-router serve the tiny kit's model (C
 repeat runs, alternating (A B A B ...) so drift of a shared machine hits both alike:
 
 * rollout: `slime.rollout.generate_rollout` for `--batch` groups x `--n` samples, `--max-new` tokens,
-  through the router, scored (`--rm-type`, default math) and written as a shard set to a temp store;
+  through the router, scored (`--rm-type`, default math_verify) and written as a shard set to a temp store;
 * raw: the same prompt token ids and sampling params posted concurrently to the engines directly
   (round robin over the two engine URLs), nothing else.
 
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="groups per rollout step")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-new", type=int, default=32, help="rollout_max_response_len")
-    parser.add_argument("--rm-type", default="math")
+    parser.add_argument("--rm-type", default="math_verify")
     parser.add_argument("--repeats", type=int, default=5)
     opts = parser.parse_args()
 

@@ -127,7 +127,7 @@ class RolloutConfig(_Section):
 class RewardConfig(_Section):
     """How responses are scored."""
 
-    rm_type: str | None = Field(None, description="built-in reward (math, dapo, deepscaler, f1, gpqa, ...)")
+    rm_type: str | None = Field(None, description="built-in reward (math, math_verify, dapo, deepscaler, f1, gpqa, ...)")
     rm_url: str | None = Field(None, description="endpoint for rm_type remote_rm")
     custom_rm_path: str | None = None
     group_rm: bool = False

@@ -21,7 +21,7 @@ def evaluated(tiny_kit, tmp_path_factory):
         "--store", str(root / "store"), "--run-id", "check", "--hf-checkpoint", str(tiny_kit.model_dir),
         "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:40]", "--eval-temperature", "0",
         "--rollout-max-response-len", "6", "--rollout-stop", "<|im_end|>", "--apply-chat-template", "--rm-type",
-        "math"])
+        "math_verify"])
     return config, run_evaluate(config)
 
 

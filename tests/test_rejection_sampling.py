@@ -212,7 +212,7 @@ def test_cli_samples_a_megatron_checkpoint_and_sft_trains_on_the_result(tiny_kit
     run("convert", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", str(tmp_path / "convert"))
     summary = run("rejection-sample", "--store", str(tmp_path / "store"), "--run-id", "cli",
                   "--hf-checkpoint", str(tiny_kit.model_dir), "--rs-policy", str(tmp_path / "convert"),
-                  "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--apply-chat-template", "--rm-type", "math",
+                  "--rs-prompt-data", f"{tiny_kit.train}@[0:4]", "--apply-chat-template", "--rm-type", "math_verify",
                   "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--rs-reward-threshold", "0",
                   "--rs-keep-truncated", "--rs-dedup", "false")
     stage = tmp_path / "store" / "cli" / "rejection_sampling"

@@ -5,7 +5,7 @@ Datasets come from `eval_prompt_data` (name -> path) or an `eval_config` YAML in
     eval:
       defaults: {n_samples_per_eval_prompt: 4, temperature: 0.7}
       datasets:
-        - {name: arith, path: data/eval.jsonl, rm_type: math, max_response_len: 16}
+        - {name: arith, path: data/eval.jsonl, rm_type: math_verify, max_response_len: 16}
         - {name: hard, path: s3://bucket/hard.jsonl, custom_rm_path: my.rm, top_p: 0.9}
 
 Each setting falls back dataset -> `defaults` -> `eval_*` field -> `rollout_*` field (slime's order).

@@ -1,4 +1,4 @@
-"""The reward hub: built-in graders (math, dapo, deepscaler, f1, gpqa, remote_rm, random, `boxed_`),
+"""The reward hub: built-in graders (math, math_verify, dapo, deepscaler, f1, gpqa, remote_rm, random, `boxed_`),
 custom and group reward plugins, and the failure policy. See docs/rewards.md."""
 
 from slime.rollout.rewards.hub import (

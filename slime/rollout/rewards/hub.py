@@ -2,7 +2,7 @@
 
 Priority, as in slime's `rm_hub.async_rm`: `custom_rm_path` (`async def rm(args, sample)`, or with
 `group_rm` `async def rm(args, samples) -> list`), then the sample's `metadata["rm_type"]`, then
-`rm_type`. A `boxed_` prefix (`boxed_math`) grades only the content of the last `\\boxed{}`.
+`rm_type`. A `boxed_` prefix (`boxed_f1`) grades only the content of the last `\\boxed{}`.
 
 Departure from slime: in `reward_samples` a reward function that raises does not abort the rollout.
 The sample becomes `Status.FAILED` with `metadata["reward_error"] = "<Type>: <message>"` and no
@@ -23,12 +23,12 @@ from typing import Any
 from slime.engines.client import EngineClient
 from slime.errors import ConfigError, DataFormatError
 from slime.plugins import check_signature, load_function
-from slime.rollout.rewards.boxed import last_boxed
+from slime.rollout.rewards.boxed import boxed_answer
 from slime.rollout.rewards.dapo import dapo_reward
 from slime.rollout.rewards.deepscaler import deepscaler_reward
 from slime.rollout.rewards.f1 import f1_reward
 from slime.rollout.rewards.gpqa import gpqa_reward
-from slime.rollout.rewards.math_rm import math_reward
+from slime.rollout.rewards.math_rm import math_reward, math_verify_reward
 from slime.rollout.rewards.remote import make_rm_client, remote_reward
 from slime.types import Sample, Status
 
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 # Rule-based graders: fn(response, label, metadata) -> float | dict.
 RULE_REWARDS: dict[str, Callable[[str, Any, dict[str, Any]], Any]] = {
     "math": lambda response, label, metadata: math_reward(response, label),
+    "math_verify": lambda response, label, metadata: math_verify_reward(response, label),
     "dapo": lambda response, label, metadata: dapo_reward(response, label),
     "deepscaler": lambda response, label, metadata: deepscaler_reward(response, label),
     "f1": lambda response, label, metadata: f1_reward(response, label),
@@ -44,6 +45,8 @@ RULE_REWARDS: dict[str, Callable[[str, Any, dict[str, Any]], Any]] = {
 }
 RM_TYPES: tuple[str, ...] = (*RULE_REWARDS, "remote_rm", "random")
 BOXED_PREFIX = "boxed_"
+# Graders that find the box themselves: under `boxed_` they get the last box, not its content.
+_BOX_READERS = ("math", "math_verify")
 
 
 class RewardTypeError(ConfigError):
@@ -105,8 +108,14 @@ async def compute_reward(args: Any, sample: Sample, *, client: EngineClient | No
     rm_type = resolve_rm_type(args, sample)
     response = sample.response or ""
     if rm_type.startswith(BOXED_PREFIX):
-        response = last_boxed(response) or ""
         rm_type = rm_type.removeprefix(BOXED_PREFIX)
+        boxed = boxed_answer(response)
+        # Departure: slime hands `math` the box's content, where it looks for a box again and finds none
+        # (its `boxed_math` always scores 0); the math graders get the box itself.
+        if rm_type in _BOX_READERS:
+            response = "" if boxed is None else f"\\boxed{{{boxed}}}"
+        else:
+            response = boxed or ""
     if rm_type == "remote_rm":
         if client is not None:
             return _checked(await remote_reward(args, sample, client), f"remote_rm {_flag(args, 'rm_url')}")

@@ -1,66 +1,115 @@
-"""`rm_type: math`: 1.0 when the response's final answer equals the label mathematically, else 0.0.
+"""`rm_type: math` (slime's) and `rm_type: math_verify` (lenient): 1.0 for a right final answer, else 0.0.
 
-Equivalence is decided by Hugging Face's `math-verify` (LaTeX and plain expressions, `1/2` = `0.5` =
-`\\frac{1}{2}`, sets, intervals), not by hand-written normalisation. Departure from slime, whose `math`
-grader needs a `\\boxed{}` answer: without a box the whole response is read by math-verify, so a bare
-final answer ("19<|im_end|>", what the tiny arithmetic kit's SFT data teaches) is graded; with boxes,
-only the last box is.
+`math` is slime's `grade_answer_verl`: the answer is the content of the response's last `\\boxed{}`
+(no box, no reward); a boxed label is unboxed; the two match when Hendrycks' MATH normalisation makes
+them the same string (`hendrycks`) or DeepScaleR's sympy grader shows them equal (`sympy_grader`).
+One departure: a numeric label 0 is graded (slime's `if not ground_truth` gives every answer 0 for it).
+
+`math_verify` also reads an unboxed answer: without a box the whole response goes to Hugging Face's
+math-verify, which finds the final answer in it ("19<|im_end|>", how the tiny arithmetic kit answers);
+with boxes (`\\boxed{}`, `\\fbox{}`, `\\boxed 5`), the last one is the answer. The label is read as LaTeX
+(math-verify reads `\\sqrt{8}` or `\\frac34` only inside math delimiters or a box, so a label without
+delimiters is read as `\\boxed{label}`), and where math-verify says no, slime's two graders above still
+may say yes. math-verify is more lenient than slime's graders: it takes `\\frac{2}{4}` for `1/2` and
+`\\sqrt{16}` for `4`.
+
+Everything that runs sympy runs in the grading process (`grading_process`): one answer that takes more
+than GRADE_TIMEOUT_S scores 0 (logged), from any thread.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
+import logging
+import re
 from typing import Any
 
 from math_verify import parse, verify
 
-from slime.rollout.rewards.boxed import last_boxed
+from slime.rollout.rewards.boxed import boxed_answer, last_boxed
+from slime.rollout.rewards.grading_process import GradingTimeout, call_with_timeout
+from slime.rollout.rewards.hendrycks import mathd_equal
+from slime.rollout.rewards.sympy_grader import sympy_equal
 
-# math-verify's time limits use SIGALRM, which only the main thread may set; elsewhere (Prefect task
-# threads, Ray actor threads) parsing runs without a limit rather than failing.
-_TIMEOUT_S = 5
+logger = logging.getLogger(__name__)
 
-
-def _timeout() -> int | None:
-    return _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def parse_answer(text: str) -> list[Any]:
-    """math-verify's parse of `text`: [] when no answer can be read from it."""
-    return parse(text, parsing_timeout=_timeout())
+# dotted paths of the functions the grading process runs
+_SYMPY_EQUAL = f"{sympy_equal.__module__}.{sympy_equal.__name__}"
+_MATH_VERIFY_EQUAL = f"{__name__}.math_verify_equal"
 
 
-def is_equivalent(response: str, label: Any) -> bool:
-    """Whether the final answer in `response` equals `label` (a string or number; a boxed label is unboxed)."""
-    if label is None or response is None:
+def slime_label(label: Any) -> str | None:
+    """The label as slime's math graders read it: its string, unboxed; None when there is none.
+
+    A number is always a label (slime's `if not ground_truth` drops 0 and 0.0, a departure here)."""
+    numeric = isinstance(label, int | float) and not isinstance(label, bool)
+    if not numeric and not label:
+        return None
+    text = str(label)
+    return boxed_answer(text) if "\\boxed" in text else text
+
+
+def _graded_in_child(fn: str, *args: str | None) -> bool:
+    """`fn(*args)` in the grading process; a grading that runs out of time is a wrong answer."""
+    try:
+        return bool(call_with_timeout(fn, list(args)))
+    except GradingTimeout as exc:
+        logger.warning("scored 0: %s (answer %.200r, label %.200r)", exc, args[0], args[1])
         return False
-    gold_text = str(label)
-    if "\\boxed" in gold_text or "\\fbox" in gold_text:
-        gold_text = last_boxed(gold_text) or gold_text
-    if not gold_text.strip():
-        return False
-    # Like slime, a boxed answer is the answer (the last box when there are several); math-verify
-    # would otherwise read every box at once.
-    boxed = last_boxed(response)
-    return _equivalent_texts(response if boxed is None else boxed, gold_text)
 
 
-# Parsing costs ~1 ms per string (sympy); the n samples of a prompt share its label and a trained
-# policy repeats its answers, so results are cached by the two strings.
-@functools.lru_cache(maxsize=1 << 16)
-def _equivalent_texts(answer_text: str, gold_text: str) -> bool:
-    gold, answer = _parse_gold(gold_text), parse_answer(answer_text)
-    if not gold or not answer:
-        return False
-    return verify(gold, answer, timeout_seconds=_timeout())
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _parse_gold(gold_text: str) -> list[Any]:
-    return parse_answer(gold_text)
+@functools.lru_cache(maxsize=1 << 16)  # the n samples of a prompt share its label; policies repeat answers
+def answers_match(answer: str, truth: str) -> bool:
+    """slime's test of an extracted answer against a label: MATH normalisation, then sympy."""
+    return mathd_equal(answer, truth) or _graded_in_child(_SYMPY_EQUAL, answer, truth)
 
 
 def math_reward(response: str, label: Any) -> float:
-    """1.0 for a correct final answer, 0.0 otherwise (wrong, missing or unparsable)."""
-    return 1.0 if is_equivalent(response, label) else 0.0
+    """slime's `math`: 1.0 when the last `\\boxed{}` answer matches the label, else 0.0."""
+    truth = slime_label(label)
+    answer = boxed_answer(response or "")
+    if truth is None or answer is None:
+        return 0.0
+    return 1.0 if answers_match(answer, truth) else 0.0
+
+
+def _as_latex(text: str) -> str:
+    """`text` as math-verify reads LaTeX: inside `\\boxed{}`, unless it has its own math delimiters."""
+    delimited = re.search(r"(?<!\\)\$|\\\(|\\\[", text)
+    return text if delimited else f"\\boxed{{{text}}}"
+
+
+def math_verify_equal(answer_text: str, gold_text: str, boxed: str | None) -> bool:
+    """math-verify's verdict, then slime's sympy grader's (runs in the grading process).
+
+    math-verify searches `answer_text` for the final answer (a boxed answer comes in as
+    `\\boxed{content}`); `gold_text`, the label, is read as LaTeX first and as plain text when that finds
+    nothing. The sympy grader compares the box's content, or the whole response when there is no box.
+    """
+    # the grading process runs this on its main thread, where math-verify's own SIGALRM limits work
+    gold = parse(_as_latex(gold_text)) or parse(gold_text)
+    answer = parse(answer_text)
+    if gold and answer and verify(gold, answer):
+        return True
+    return sympy_equal(answer_text if boxed is None else boxed, gold_text)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _lenient_match(response: str, gold_text: str) -> bool:
+    boxed = last_boxed(response)
+    if boxed is not None and mathd_equal(boxed, gold_text):
+        return True
+    answer_text = response if boxed is None else f"\\boxed{{{boxed}}}"
+    return _graded_in_child(_MATH_VERIFY_EQUAL, answer_text, gold_text, boxed)
+
+
+def math_verify_reward(response: str, label: Any) -> float:
+    """The lenient `math_verify`: 1.0 when the final answer, boxed or not, equals the label, else 0.0."""
+    if label is None or response is None:
+        return 0.0
+    gold = str(label)
+    if "\\boxed" in gold or "\\fbox" in gold:
+        gold = last_boxed(gold) or gold
+    if not gold.strip():
+        return 0.0
+    return 1.0 if _lenient_match(response, gold) else 0.0

@@ -23,26 +23,32 @@ def samples(*pairs, **kw) -> list[Sample]:
     return [Sample(index=i, response=r, label=label, **kw) for i, (r, label) in enumerate(pairs)]
 
 
-def test_rm_type_math_sets_rewards_and_keeps_status():
+def test_rm_type_math_verify_sets_rewards_and_keeps_status():
     batch = samples(("19<|im_end|>", "19"), ("18<|im_end|>", "19"), ("", "19"))
     for s in batch:
         s.status = Status.COMPLETED
-    asyncio.run(reward_samples(args(rm_type="math"), batch))
+    asyncio.run(reward_samples(args(rm_type="math_verify"), batch))
     assert [s.reward for s in batch] == [1.0, 0.0, 0.0]
     assert all(s.status is Status.COMPLETED for s in batch)
+
+
+def test_rm_type_math_needs_a_boxed_answer_as_slime():
+    batch = samples(("19<|im_end|>", "19"), ("so \\boxed{19}<|im_end|>", "19"))
+    asyncio.run(reward_samples(args(rm_type="math"), batch))
+    assert [s.reward for s in batch] == [0.0, 1.0]
 
 
 def test_metadata_rm_type_overrides_config():
     batch = samples(("Paris France", "Paris"), ("19", "19"))
     batch[0].metadata["rm_type"] = "f1"
-    asyncio.run(reward_samples(args(rm_type="math"), batch))
+    asyncio.run(reward_samples(args(rm_type="math_verify"), batch))
     assert batch[0].reward == pytest.approx(2 / 3) and batch[1].reward == 1.0
 
 
 def test_aborted_samples_are_left_alone():
     batch = samples(("19", "19"), ("19", "19"))
     batch[1].status = Status.ABORTED
-    asyncio.run(reward_samples(args(rm_type="math"), batch))
+    asyncio.run(reward_samples(args(rm_type="math_verify"), batch))
     assert batch[0].reward == 1.0
     assert batch[1].reward is None and batch[1].status is Status.ABORTED
 
@@ -78,7 +84,7 @@ def test_bad_return_values_fail_the_sample(make_module):
 
 
 def test_unknown_metadata_rm_type_fails_that_sample_with_suggestion():
-    batch = samples(("19", "19"), ("19", "19"))
+    batch = samples(("\\boxed{19}", "19"), ("19", "19"))
     batch[1].metadata["rm_type"] = "maht"
     asyncio.run(reward_samples(args(rm_type="math"), batch))
     assert batch[0].reward == 1.0
@@ -143,7 +149,7 @@ def test_group_rm_failure_or_wrong_length_fails_every_sample(make_module):
 
 def test_group_rm_without_custom_path_scores_each_sample():
     batch = samples(("19", "19"), ("3", "19"))
-    asyncio.run(reward_samples(args(rm_type="math", group_rm=True), batch))
+    asyncio.run(reward_samples(args(rm_type="math_verify", group_rm=True), batch))
     assert [s.reward for s in batch] == [1.0, 0.0]
 
 
@@ -151,7 +157,7 @@ def test_group_rm_without_custom_path_scores_each_sample():
 
 
 def test_check_accepts_known_types_and_the_config_object():
-    for rm_type in ("math", "boxed_math", "dapo", "deepscaler", "f1", "gpqa", "random"):
+    for rm_type in ("math", "math_verify", "boxed_math", "dapo", "deepscaler", "f1", "gpqa", "random"):
         check_reward_config(args(rm_type=rm_type))
     check_reward_config(load_config(overrides=["--rm-type", "math"]))
 

@@ -8,13 +8,14 @@ from argparse import Namespace
 
 import pytest
 
+from slime.errors import DataFormatError
 from slime.rollout.rewards import compute_reward
-from slime.rollout.rewards.boxed import last_boxed
+from slime.rollout.rewards.boxed import boxed_answer, last_boxed
 from slime.rollout.rewards.dapo import dapo_reward, normalize_answer
 from slime.rollout.rewards.deepscaler import deepscaler_reward
 from slime.rollout.rewards.f1 import f1_reward
 from slime.rollout.rewards.gpqa import gpqa_reward
-from slime.rollout.rewards.math_rm import math_reward
+from slime.rollout.rewards.math_rm import math_reward, math_verify_reward
 from slime.types import Sample
 
 
@@ -31,6 +32,23 @@ from slime.types import Sample
 )
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so \\boxed{3} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{\\boxed{5}}", "5"),  # the last `\\boxed` is the inner one
+        ("\\fbox{7}", None),  # slime reads only \\boxed{...}
+        ("\\boxed 5 done", None),
+        ("\\boxed{5} and later \\boxed 7", None),  # the last \\boxed opens no brace: no answer at all
+        ("\\boxed{\\frac{1}{2}", None),
+        ("no box", None),
+        ("", None),
+    ],
+)
+def test_boxed_answer_reads_as_slime(text, expected):
+    assert boxed_answer(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -54,19 +72,40 @@ def test_last_boxed(text, expected):
         ("19", "\\boxed{19}", 1.0),  # a boxed label is unboxed
     ],
 )
+def test_math_verify(response, label, expected):
+    assert math_verify_reward(response, label) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        ("19<|im_end|>", "19", 0.0),  # slime's math needs a boxed answer
+        ("so \\boxed{19}<|im_end|>", "19", 1.0),
+        ("\\boxed{19}", 19, 1.0),
+        ("\\boxed{0}", 0, 1.0),  # departure: slime's `if not ground_truth` drops a numeric 0 label
+        ("\\boxed{0}", "0", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 0.0),  # sympy grader: unreduced fractions do not count
+        ("\\boxed{\\sqrt{16}}", "4", 0.0),  # an integer label needs an integer answer
+        ("\\boxed{19}", "", 0.0),
+        ("\\boxed{19}", None, 0.0),
+        ("\\boxed{19}", "\\boxed{19}", 1.0),
+        ("\\boxed{19}", "\\boxed{19", 0.0),  # an unclosed boxed label has no answer
+    ],
+)
 def test_math(response, label, expected):
     assert math_reward(response, label) == expected
 
 
-def test_math_scores_tiny_kit_answers(tiny_kit):
+def test_math_verify_scores_tiny_kit_answers(tiny_kit):
     """Every tiny-kit label, written the way its SFT data teaches (number then <|im_end|>), scores 1;
     an off-by-one answer scores 0."""
     rows = [json.loads(line) for line in tiny_kit.train.read_text().splitlines()[:50]]
     sft = [json.loads(line) for line in tiny_kit.sft.read_text().splitlines()[:5]]
     assert all(r["messages"][-1]["content"].lstrip("-").isdigit() for r in sft)  # bare numbers, as assumed
     for row in rows:
-        assert math_reward(f"{row['label']}<|im_end|>", row["label"]) == 1.0, row
-        assert math_reward(f"{int(row['label']) + 1}<|im_end|>", row["label"]) == 0.0, row
+        assert math_verify_reward(f"{row['label']}<|im_end|>", row["label"]) == 1.0, row
+        assert math_verify_reward(f"{int(row['label']) + 1}<|im_end|>", row["label"]) == 0.0, row
 
 
 @pytest.mark.parametrize(
@@ -86,6 +125,11 @@ def test_deepscaler(response, label, expected):
     assert deepscaler_reward(response, label) == expected
 
 
+def test_deepscaler_label_of_another_type_is_a_data_error():
+    with pytest.raises(DataFormatError, match="deepscaler: the label must be a string or a number, not list"):
+        deepscaler_reward("</think> \\boxed{1}", [1])
+
+
 @pytest.mark.parametrize(
     ("response", "label", "score", "pred"),
     [
@@ -101,6 +145,21 @@ def test_deepscaler(response, label, expected):
 )
 def test_dapo(response, label, score, pred):
     assert dapo_reward(response, label) == {"score": score, "acc": score == 1.0, "pred": pred}
+
+
+@pytest.mark.parametrize(("response", "label", "score"), [
+    ("Answer: 0.5", "0.5", 1.0),  # slime truncates the label to "0": the right answer would score -1
+    ("Answer: 0", "0.5", -1.0),
+    ("Answer: \\frac{1}{2}", "\\frac12", 1.0),  # slime raises ValueError on a label that is no number
+])
+def test_dapo_departs_where_slime_truncates_or_raises(response, label, score):
+    assert dapo_reward(response, label)["score"] == score
+
+
+@pytest.mark.parametrize("label", [None, "", "  "])
+def test_dapo_without_label_is_a_data_error(label):
+    with pytest.raises(DataFormatError, match="rm_type dapo needs a label"):
+        dapo_reward("Answer: 1", label)
 
 
 def test_dapo_reads_only_the_tail():
@@ -157,10 +216,12 @@ async def _score(rm_type, response, label):
 @pytest.mark.parametrize(
     ("rm_type", "response", "label", "expected"),
     [
-        ("boxed_math", "I think 5. \\boxed{4}", "4", 1.0),
+        ("boxed_math", "I think 5. \\boxed{4}", "4", 1.0),  # departure: slime's boxed_math always gives 0
         ("boxed_math", "4", "4", 0.0),  # no box: the graded text is empty
+        ("boxed_math_verify", "5 \\boxed{\\frac{1}{2}}", "0.5", 1.0),
         ("boxed_f1", "blah \\boxed{eiffel tower}", "The Eiffel Tower", 1.0),
-        ("math", "\\boxed{4} then 5", "4", 1.0),  # math-verify prefers the boxed answer too
+        ("math", "\\boxed{4} then 5", "4", 1.0),
+        ("math_verify", "\\boxed{4} then 5", "4", 1.0),  # math-verify prefers the boxed answer too
     ],
 )
 def test_boxed_prefix_grades_only_the_last_box(rm_type, response, label, expected):
