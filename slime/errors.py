@@ -61,3 +61,12 @@ class EngineHTTPError(EngineError):
 
     def __reduce__(self):  # keep the attributes across pickling (Ray, Prefect, multiprocessing)
         return (type(self), self.args, self.__dict__)
+
+
+class InputNotFoundError(ConfigError, FileNotFoundError):
+    """A model, tokenizer, prompt or eval path named in the config does not exist; the message names the config
+    field, the path and where the field was set."""
+
+
+class RunInUseError(StorageError):
+    """Another process holds the run's lease (one writer per run); the message names it (host, pid, since)."""
