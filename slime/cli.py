@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args, extra)
     except SlimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cause = getattr(exc, "cause", None)  # a Ray task's error wraps the library's own (with a remote traceback)
+        print(f"error: {cause if isinstance(cause, SlimeError) else exc}", file=sys.stderr)
         return 2
 
 

@@ -33,6 +33,10 @@ class CorruptArtifactError(StorageError):
     """A committed artifact does not match its manifest (checksum, size, row count, schema)."""
 
 
+class StorageWriteError(StorageError, OSError):
+    """Writing an artifact's file failed (disk full, permission, network); nothing was committed."""
+
+
 class SchemaVersionError(StorageError):
     """A shard was written with a schema version this code cannot read."""
 

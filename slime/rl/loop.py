@@ -70,6 +70,9 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
                           "false (engines cannot release their memory during a rollout)")
     check_tensorboard(config.run.use_tensorboard)
+    from slime.rollout.hooks import check_rollout_plugins  # imports the user's plugin modules
+
+    check_rollout_plugins(config, load_tokenizer=False)  # here, before Ray: a bad plugin path is one line, not a Ray actor's traceback
     if config.run.use_tensorboard and not config.run.tensorboard_dir:
         store = ArtifactStore.from_config(config)
         if not is_local(open_fs(store.root, store.storage_options)[0]):
