@@ -58,11 +58,11 @@ def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
             overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
                          "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]
             # 1. a deployment run whose export fails: its origin HF directory describes another architecture
-            # (half the layers), which the checkpoint does not fit; --watch exits 1. (A missing origin
+            # (half the MLP width), which the checkpoint does not fit; --watch exits 1. (A missing origin
             # directory fails before any stage runs: slime.preflight.)
             shutil.copytree(tiny_kit.model_dir, origin)
             hf_config = json.loads((origin / "config.json").read_text())
-            hf_config["num_hidden_layers"] //= 2
+            hf_config["intermediate_size"] //= 2
             (origin / "config.json").write_text(json.dumps(hf_config))
             cli(server, "deployment", "run", "post-training/tiny-cpu", "--watch",
                 "--param", f"overrides={json.dumps(overrides)}", "--param", f"store={json.dumps(str(store))}",
