@@ -16,7 +16,7 @@ from slime.config import Config, load_config
 from slime.errors import NotCommittedError
 from slime.preflight import prepare_run
 from slime.storage import ArtifactStore
-from slime.storage.lease import hold_run
+from slime.storage.lease import hold_stage
 from tasks._cache import result_storage
 
 
@@ -74,15 +74,18 @@ def newest_model(config: Config, run_id: str, stages: tuple[str, ...]) -> str:
 
 
 def run_stage(stage_task: Task, config: Config, run_id: str, inputs: dict[str, str], output: str,
-              decorate: Callable[[dict[str, Any], Config], None] | None = None) -> dict[str, Any]:
+              decorate: Callable[[dict[str, Any], Config], None] | None = None, *, watch: bool = False
+              ) -> dict[str, Any]:
     """Run (or reuse) one stage task; returns its result plus `status` ("ran" or "cached") and `run_id`.
 
     Failures propagate (the flow fails, and a re-run resumes here). The stage report is published
     for reused results too, since Prefect does not re-create artifacts of cached task runs;
-    `decorate(summary, config)` may add `figures` to it first (drawn from the stored artifacts).
+    `decorate(summary, config)` may add `figures` to it first (drawn from the stored artifacts). The
+    stage holds the run's lease (slime.storage.lease; `watch`: a scheduled eval, only the evaluate lease).
     """
-    storage = result_storage(config.run.store, config.run.storage_options)
-    with hold_run(config):  # one writer per run (re-entrant: the pipeline flow holds it already)
+    # the results of a run's stages live in the run's directory, like everything else it writes
+    storage = result_storage(ArtifactStore.from_config(config).uri(run_id), config.run.storage_options)
+    with hold_stage(config, stage_task.name, watch=watch):  # one writer per run (the pipeline holds it already)
         state = stage_task.with_options(result_storage=storage)(config, run_id, inputs, output, return_state=True)
     result = state.result()
     summary = {**result, "status": "cached" if state.name == "Cached" else "ran", "run_id": run_id,

@@ -94,12 +94,12 @@ def _stage(run: str, stage: str) -> Callable[[argparse.Namespace, list[str]], in
 
         from slime.config import load_config
         from slime.preflight import prepare_run
-        from slime.storage.lease import hold_run
+        from slime.storage.lease import hold_stage
 
         module, function = run.rsplit(".", 1)
         config = prepare_run(load_config(args.config, overrides), stage)
         stage_function = getattr(importlib.import_module(module), function)
-        with hold_run(config):
+        with hold_stage(config, stage, watch=bool(config.eval.eval_watch_run)):
             result = stage_function(config)
         print(json.dumps(result, indent=1, sort_keys=True))
         return 0

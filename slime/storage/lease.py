@@ -10,6 +10,8 @@ The lease names its holder (host, pid, since, command); a second writer is refus
   and that process is gone, or when it was not renewed for `ttl_s` seconds (a holder on another host, or
   a hung one); a stale lease is taken over, with a warning naming the old holder.
 * Re-entrant within a process: the pipeline flow holds it and each stage flow inside it takes it again.
+* Evaluation has a lease of its own, `.lease-evaluate.json`: a scheduled eval of a run's newest checkpoint
+  takes only that one, so it runs beside the run's training but never beside another eval (`hold_stage`).
 * Released (deleted, if still ours) on exit from `hold_run`, also on errors and SIGTERM (slime.signals).
 
 Takeover on an object store re-reads the lease just before deleting it; two processes taking over the
@@ -66,9 +68,9 @@ class RunLease:
     """The lease of one run directory (`run_uri`); `acquire()` then `release()`, or `hold_run`."""
 
     def __init__(self, run_uri: str, storage_options: dict[str, Any] | None = None, *,
-                 ttl_s: float = LEASE_TTL_S) -> None:
+                 ttl_s: float = LEASE_TTL_S, name: str = LEASE_NAME) -> None:
         self.run_uri = run_uri
-        self.uri = join_uri(run_uri, LEASE_NAME)
+        self.uri = join_uri(run_uri, name)
         self.storage_options = storage_options or {}
         self.ttl_s = ttl_s
         self.fs, self.path = open_fs(self.uri, self.storage_options)
@@ -96,8 +98,9 @@ class RunLease:
                     holder = {"token": None}
             reason = self.stale_reason(holder)
             if reason is None:
+                what = "run" if self.uri.endswith(f"/{LEASE_NAME}") else f"the {self.uri.rsplit('/', 1)[-1]} of run"
                 raise RunInUseError(
-                    f"run {self.run_uri} is in use by {describe_holder(holder)}: one writer per run. Wait for it "
+                    f"{what} {self.run_uri} is in use by {describe_holder(holder)}: one writer per run. Wait for it "
                     f"to finish or use another --run-id (lease {self.uri}; a lease whose process is gone, or that "
                     f"was not renewed for {self.ttl_s:.0f} s, is taken over)")
             logger.warning("taking over the stale lease of run %s held by %s: %s", self.run_uri,
@@ -218,13 +221,13 @@ class RunLease:
 
 @contextlib.contextmanager
 def hold_run_uri(run_uri: str, storage_options: dict[str, Any] | None = None, *,
-                 ttl_s: float = LEASE_TTL_S) -> Iterator[RunLease]:
-    """Hold the lease of `run_uri` for the block (re-entrant in one process)."""
-    key = join_uri(run_uri, LEASE_NAME)
+                 ttl_s: float = LEASE_TTL_S, name: str = LEASE_NAME) -> Iterator[RunLease]:
+    """Hold the lease `name` of `run_uri` for the block (re-entrant in one process)."""
+    key = join_uri(run_uri, name)
     with _held_lock:
         lease, depth = _held.get(key, (None, 0))
         if lease is None:
-            lease = RunLease(run_uri, storage_options, ttl_s=ttl_s)
+            lease = RunLease(run_uri, storage_options, ttl_s=ttl_s, name=name)
             lease.acquire()
         _held[key] = (lease, depth + 1)
     try:
@@ -240,13 +243,31 @@ def hold_run_uri(run_uri: str, storage_options: dict[str, Any] | None = None, *,
 
 
 @contextlib.contextmanager
-def hold_run(config: Any) -> Iterator[RunLease | None]:
-    """Hold the lease of the config's run (`{run.store}/{run.run_id}`) for the block; nothing without a run id."""
+def hold_run(config: Any, scope: str | None = None) -> Iterator[RunLease | None]:
+    """Hold the lease of the config's run (`{run.store}/{run.run_id}`) for the block; nothing without a run id.
+    `scope` names a lease of one part of the run instead (`.lease-<scope>.json`), see `hold_stage`."""
     from slime.storage import ArtifactStore
 
     if config.run.run_id is None:
         yield None
         return
     store = ArtifactStore.from_config(config)
-    with hold_run_uri(store.uri(config.run.run_id), store.storage_options) as lease:
+    with hold_run_uri(store.uri(config.run.run_id), store.storage_options, name=_lease_name(scope)) as lease:
         yield lease
+
+
+@contextlib.contextmanager
+def hold_stage(config: Any, stage: str, *, watch: bool = False) -> Iterator[None]:
+    """The leases a writer of `stage` holds: the run's own (one writer per run) and, for evaluate, the
+    evaluate lease too. A scheduled eval of a run's newest checkpoint (`watch`) takes only the latter:
+    it writes under `{run}/evaluate/` beside the run's writer (training), never beside another eval."""
+    with contextlib.ExitStack() as held:
+        if not (watch and stage == "evaluate"):
+            held.enter_context(hold_run(config))
+        if stage == "evaluate":
+            held.enter_context(hold_run(config, scope="evaluate"))
+        yield
+
+
+def _lease_name(scope: str | None) -> str:
+    return LEASE_NAME if scope is None else f".lease-{scope}.json"

@@ -144,3 +144,22 @@ def test_two_processes_racing_for_one_run_get_exactly_one_lease(tmp_path):
     assert sorted(code for code, _ in outs) == [0, 3, 3, 3], outs
     assert all("is in use by" in out for code, out in outs if code == 3)
     assert not (tmp_path / "run" / LEASE_NAME).exists()
+
+
+def test_a_scheduled_eval_runs_beside_training_but_not_beside_another_eval(tmp_path):
+    """Training holds the run; a watch eval takes only the evaluate lease; a second eval is refused."""
+    from slime.config import load_config
+    from slime.storage.lease import hold_run, hold_stage
+
+    config = load_config(None, ["--store", str(tmp_path), "--run-id", "r"])
+    other = tmp_path / "r" / ".lease-evaluate.json"
+    with hold_run(config):  # `slime rl` on the run
+        with hold_stage(config, "evaluate", watch=True):
+            assert other.exists()
+            taker = RunLease(str(tmp_path / "r"), name=".lease-evaluate.json")
+            with pytest.raises(RunInUseError, match=r"the .lease-evaluate.json of run .* is in use by"):
+                taker.acquire()
+        assert not other.exists()
+    assert not (tmp_path / "r" / LEASE_NAME).exists()
+    with hold_stage(config, "rl", watch=True):  # watch concerns evaluate only: rl takes the run's lease
+        assert (tmp_path / "r" / LEASE_NAME).exists() and not other.exists()
