@@ -100,9 +100,9 @@ def test_a_fresh_checkout_runs_the_pipeline_without_make(tmp_path):
     (clone / "datasets" / "tiny").mkdir(parents=True)
     shutil.copy(ROOT / "deployments" / "tiny-cpu.yaml", clone / "deployments" / "tiny-cpu.yaml")
     shutil.copy(TEST_RECIPE, clone / "datasets" / "tiny" / "recipe.yaml")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # as a user types it (no make, so no Prefect settings of the Makefile), with a Prefect home of its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "prefect-home"), DO_NOT_TRACK="1")
     flags = ["--sft-num-epoch", "1", "--sft-data", "runs/tiny-kit/data/sft.jsonl@[0:64]",
              "--rs-prompt-data", "runs/tiny-kit/data/train.jsonl@[0:2]", "--num-rollout", "1",
              "--rollout-batch-size", "2", "--global-batch-size", "16", "--micro-batch-size", "8",

@@ -59,6 +59,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _command() -> str:
+    """This process's command line, short: `slime rl --config x.yaml`, `python -m flows.pipeline ...`."""
+    argv = list(sys.argv) or ["python"]
+    program = os.path.basename(argv[0])
+    if program == "__main__.py":  # python -m package
+        program = f"python -m {os.path.basename(os.path.dirname(argv[0]))}"
+    elif "/" in argv[0] and argv[0].endswith(".py"):  # python -m package.module, or a script
+        program = f"python {program}"
+    return " ".join([program, *argv[1:8]])[:200]
+
+
 def describe_holder(holder: dict[str, Any]) -> str:
     return (f"{holder.get('command') or 'a process'} (host {holder.get('host')}, pid {holder.get('pid')}, "
             f"since {holder.get('since')})")
@@ -75,9 +86,7 @@ class RunLease:
         self.ttl_s = ttl_s
         self.fs, self.path = open_fs(self.uri, self.storage_options)
         self.record = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now().isoformat(),
-                       "renewed_at": _now().isoformat(), "token": uuid.uuid4().hex,
-                       "command": " ".join(os.path.basename(a) if i == 0 else a
-                                           for i, a in enumerate(sys.argv[:6]))[:200]}
+                       "renewed_at": _now().isoformat(), "token": uuid.uuid4().hex, "command": _command()}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
