@@ -25,6 +25,7 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from flows._stage import resolve_run
 from slime.errors import SlimeError
 from slime.signals import sigterm_as_exit
 
@@ -73,6 +74,11 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     module = Path(inspect.getfile(flow.fn)).stem  # not __module__: that is "__main__" under python -m
     params = parse(f"python -m flows.{module}", flow.description or flow.name, argv,
                    takes_model)
+    try:  # the config, its kit and its input paths, before Prefect and its API server start
+        resolve_run(params["config"], params["overrides"], params["store"], params["run_id"])
+    except SlimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     startup = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), EPHEMERAL_STARTUP_TIMEOUT_S)
     with (sigterm_as_exit(),  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
           temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup})):

@@ -315,6 +315,20 @@ def test_missing_prompt_file(capsys, config_file, tiny_kit):
               f"data.prompt_data (set at {path}:7): /nonexistent/train.jsonl does not exist")
 
 
+def test_missing_prompt_file_through_slime_pipeline_stops_before_prefect(config_file, tmp_path):
+    """The pipeline (a Prefect flow in `python -m flows.pipeline`) checks the config before Prefect starts."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+           "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    done = subprocess.run([sys.executable, "-m", "slime", "pipeline", "--config", str(config_file()),
+                           "--prompt-data", "nope.jsonl"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: data.prompt_data (set at --prompt-data): nope.jsonl does not exist; relative paths on the "
+        "command line resolve against the working directory")
+    assert not list((tmp_path / "prefect-home").iterdir())  # no API server started: no database, no logs
+
+
 def test_missing_eval_file(capsys, config_file):
     cli_fails(capsys, ["rl", "--config", str(config_file()), "--eval-prompt-data", "held", "missing.jsonl@[0:4]"],
               InputNotFoundError, "eval.eval_prompt_data.held (set at --eval-prompt-data): missing.jsonl does not "
