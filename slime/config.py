@@ -85,7 +85,8 @@ class CheckpointConfig(_Section):
     model_name: str | None = None
     ref_load: str | None = Field(None, description="reference model checkpoint (KL, initial weights)")
     load: str | None = Field(None, description="checkpoint to resume from")
-    save: str | None = Field(None, description="checkpoint directory")
+    save: str | None = Field(None, description="checkpoint directory; None: {store}/{run_id}/<stage>/checkpoint; "
+                                               "relative: under {store}/{run_id}")
     save_interval: int | None = Field(None, ge=1, description="RL: save every N rollouts, and at the "
                                                               "end (SFT: sft_save_interval)")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
@@ -251,7 +252,8 @@ class RejectionSamplingConfig(_Section):
 class ExportConfig(_Section):
     """Megatron checkpoint -> HF safetensors directory."""
 
-    output_dir: str | None = Field(None, description="HF directory to write (must not hold a committed export)")
+    output_dir: str | None = Field(None, description="HF directory to write (must not hold a committed export); "
+                                                     "None: {store}/{run_id}/export/hf; relative: under {store}/{run_id}")
     origin_hf_dir: str | None = Field(None, description="HF dir for config and tokenizer; default: the one "
                                                         "recorded in the checkpoint")
 
