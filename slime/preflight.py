@@ -135,5 +135,6 @@ def _hint(config: Config, dotted: str) -> str:
                 else "relative paths in a config file resolve against the file's directory")
     if dotted == "checkpoint.hf_checkpoint":
         return ("; it must be a local HF model directory (a hub model: huggingface-cli download ORG/NAME "
-                f"--local-dir DIR) or a generated kit named under `kit:`; {relative}")
+                "--local-dir DIR; a generated kit: name it under `kit:` in the config, or build it with slime "
+                f"datasets make-tiny DIR --recipe RECIPE); {relative}")
     return f"; {relative}"
