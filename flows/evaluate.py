@@ -77,8 +77,9 @@ def evaluate_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = No
         model = plan.source
         cfg = with_fields(cfg, eval__eval_watch_run=None)  # the same cache key as an eval of that checkpoint
     model = model or newest_model(cfg, run_id, MODEL_STAGES)
-    compared = [evaluate_one(cfg, run_id, other, watch=bool(eval_watch_run)) for other in compare or []]
-    result = evaluate_one(cfg, run_id, model, watch=bool(eval_watch_run))  # last: its report is the one under <run>-evaluate-report
+    watch = bool(eval_watch_run)  # beside the run's writer: only the evaluate lease
+    compared = [evaluate_one(cfg, run_id, other, watch) for other in compare or []]
+    result = evaluate_one(cfg, run_id, model, watch)  # last: its report is the one under <run>-evaluate-report
     publish_eval_table(run_id, [*compared, result])
     return {**result, "compared": compared}
 
