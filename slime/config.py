@@ -771,11 +771,11 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.sync.async_mode and config.cluster.colocate:
         fail("sync.async_mode", "async (one-step-off) generation needs separate train and rollout GPUs: it "
              "cannot be combined with colocate", "cluster.colocate")
-    store_protocols = config.run.store.split("://", 1)[0].split("::") if "://" in config.run.store else []
-    unknown_protocols = [p for p in store_protocols if p not in _fsspec_protocols()]
-    if unknown_protocols:
-        fail("run.store", f"unknown storage protocol {unknown_protocols[0]!r} in {config.run.store!r}: use a local "
-             "path or an fsspec URL (s3://bucket/prefix, gs://..., memory://...)")
+    from slime.storage.fs import unknown_protocol
+
+    if (protocol := unknown_protocol(config.run.store)) is not None:
+        fail("run.store", f"unknown storage protocol {protocol!r} in {config.run.store!r}: use a local path or an "
+             "fsspec URL (s3://bucket/prefix, gs://..., memory://...)")
     # checkpoint.save_interval without checkpoint.save: a stage saves to {store}/{run_id}/<stage>/checkpoint
     # (slime.preflight.place_outputs), which fails there when the run has no id
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
@@ -801,12 +801,6 @@ def _validate(config: Config, where: dict[str, str]) -> None:
             name = unknown[0]
             hint = _suggest(name, [*FIELD_SECTION, *megatron_flag_names()])
             fail(f"megatron.{name}", f"unknown option --{name.replace('_', '-')}{hint.replace('_', '-')}")
-
-
-def _fsspec_protocols() -> set[str]:
-    import fsspec
-
-    return set(fsspec.available_protocols())
 
 
 @functools.cache

@@ -10,7 +10,8 @@ the flows, so also `slime pipeline` and the deployments). In order:
    `export.output_dir` is taken relative to the run directory, and a stage's own output defaults to
    `{store}/{run_id}/<stage>/checkpoint` (export: `{store}/{run_id}/export/hf`), where the flows write it;
 3. every local input path in the config (model, tokenizer, prompt, SFT and eval data, eval config) must
-   exist: `InputNotFoundError` otherwise. Remote URLs (s3://...) are left to the stage that reads them.
+   exist: `InputNotFoundError` otherwise. Remote URLs (s3://...) are left to the stage that reads them,
+   once their protocol is known to be one fsspec has.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from slime.data.prompts import parse_data_path
 from slime.data.tiny import load_recipe, make_tiny_kit
 from slime.errors import ConfigError, DataFormatError, InputNotFoundError
 from slime.storage import ArtifactStore
-from slime.storage.fs import join_uri
+from slime.storage.fs import join_uri, unknown_protocol
 
 # a stage's own output when the config names none: field, artifact name under {store}/{run_id}/<stage>/
 STAGE_OUTPUTS = {"convert": ("checkpoint.save", "checkpoint"), "sft": ("checkpoint.save", "checkpoint"),
@@ -108,6 +109,9 @@ def check_inputs(config: Config) -> None:
 
 
 def _check_path(config: Config, dotted: str, field: str, value: str) -> None:
+    if (protocol := unknown_protocol(value)) is not None:
+        raise ConfigError(f"{field}{_set_at(config, dotted)}: unknown storage protocol {protocol!r} in {value!r}: "
+                          "use a local path or an fsspec URL (s3://bucket/prefix, gs://..., memory://...)")
     if "://" in value and not value.startswith("file://"):
         return
     path = value.removeprefix("file://")

@@ -329,6 +329,24 @@ def test_missing_prompt_file_through_slime_pipeline_stops_before_prefect(config_
     assert not list((tmp_path / "prefect-home").iterdir())  # no API server started: no database, no logs
 
 
+def test_input_url_of_an_unknown_protocol(capsys, config_file):
+    cli_fails(capsys, ["rl", "--config", str(config_file()), "--prompt-data", "hdfss://data/train.jsonl"],
+              ConfigError, "data.prompt_data (set at --prompt-data): unknown storage protocol 'hdfss'")
+
+
+def test_shards_inspect_of_an_unknown_protocol(capsys):
+    cli_fails(capsys, ["shards", "inspect", "foo://bucket/set"], ConfigError,
+              "foo://bucket/set/manifest.json: unknown storage protocol 'foo'")
+
+
+def test_engine_started_on_a_missing_model(capsys, tmp_path):
+    from slime.cli import main
+
+    assert main(["engine", "--model", str(tmp_path / "nope"), "--port", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --model {tmp_path / 'nope'}: not a local HF model "
+                                               "directory (no config.json in it)")
+
+
 def test_missing_eval_file(capsys, config_file):
     cli_fails(capsys, ["rl", "--config", str(config_file()), "--eval-prompt-data", "held", "missing.jsonl@[0:4]"],
               InputNotFoundError, "eval.eval_prompt_data.held (set at --eval-prompt-data): missing.jsonl does not "
