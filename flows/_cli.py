@@ -28,6 +28,7 @@ from prefect.settings import (
 from flows._stage import resolve_run
 from slime.errors import SlimeError
 from slime.signals import sigterm_as_exit
+from slime.storage.lease import check_free
 
 DEFAULT_CONFIG = "deployments/tiny-cpu.yaml"
 # Prefect's default (20 s) is too short for its ephemeral API server on a loaded 2-core machine (25-46 s
@@ -74,8 +75,9 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     module = Path(inspect.getfile(flow.fn)).stem  # not __module__: that is "__main__" under python -m
     params = parse(f"python -m flows.{module}", flow.description or flow.name, argv,
                    takes_model)
-    try:  # the config, its kit and its input paths, before Prefect and its API server start
-        resolve_run(params["config"], params["overrides"], params["store"], params["run_id"])
+    try:  # the config, its kit, its input paths and the run's lease, before Prefect and its API server start
+        config, _ = resolve_run(params["config"], params["overrides"], params["store"], params["run_id"])
+        check_free(config, module, watch=bool(config.eval.eval_watch_run))
     except SlimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -347,6 +347,27 @@ def test_engine_started_on_a_missing_model(capsys, tmp_path):
                                                "directory (no config.json in it)")
 
 
+def test_second_writer_of_a_run_through_a_flow_command_stops_before_prefect(config_file, committed, tmp_path):
+    """`python -m flows.convert` on a run another process writes: refused at once, naming that process."""
+    store, _, _ = committed
+    now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    lease = store / "cat" / ".lease.json"
+    lease.write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "since": now, "renewed_at": now, "token": "t",
+                                 "command": "slime pipeline --config x.yaml"}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]),
+           "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    try:
+        done = subprocess.run([sys.executable, "-m", "flows.convert", "--config", str(config_file())], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        lease.unlink()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: run {store / 'cat'} is in use by slime pipeline --config x.yaml (host "
+                           f"gpu-node-7, pid 4242, since {now}): one writer per run"), last
+    assert not list((tmp_path / "prefect-home").iterdir())  # Prefect never started
+
+
 def test_missing_eval_file(capsys, config_file):
     cli_fails(capsys, ["rl", "--config", str(config_file()), "--eval-prompt-data", "held", "missing.jsonl@[0:4]"],
               InputNotFoundError, "eval.eval_prompt_data.held (set at --eval-prompt-data): missing.jsonl does not "

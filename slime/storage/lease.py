@@ -107,15 +107,19 @@ class RunLease:
                     holder = {"token": None}
             reason = self.stale_reason(holder)
             if reason is None:
-                what = "run" if self.uri.endswith(f"/{LEASE_NAME}") else f"the {self.uri.rsplit('/', 1)[-1]} of run"
-                raise RunInUseError(
-                    f"{what} {self.run_uri} is in use by {describe_holder(holder)}: one writer per run. Wait for it "
-                    f"to finish or use another --run-id (lease {self.uri}; a lease whose process is gone, or that "
-                    f"was not renewed for {self.ttl_s:.0f} s, is taken over)")
+                raise self.in_use(holder)
             logger.warning("taking over the stale lease of run %s held by %s: %s", self.run_uri,
                            describe_holder(holder), reason)
             self._remove_if(holder.get("token"))
         raise RunInUseError(f"run {self.run_uri}: could not take its lease {self.uri} (other writers kept taking it)")
+
+    def in_use(self, holder: dict[str, Any]) -> RunInUseError:
+        """The error that refuses this writer, naming the lease's `holder`."""
+        what = "run" if self.uri.endswith(f"/{LEASE_NAME}") else f"the {self.uri.rsplit('/', 1)[-1]} of run"
+        return RunInUseError(
+            f"{what} {self.run_uri} is in use by {describe_holder(holder)}: one writer per run. Wait for it "
+            f"to finish or use another --run-id (lease {self.uri}; a lease whose process is gone, or that "
+            f"was not renewed for {self.ttl_s:.0f} s, is taken over)")
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours."""
@@ -265,17 +269,35 @@ def hold_run(config: Any, scope: str | None = None) -> Iterator[RunLease | None]
         yield lease
 
 
+def _scopes(stage: str, watch: bool) -> list[str | None]:
+    """The leases a writer of `stage` needs: the run's own (None) and, for evaluate, the evaluate lease too. A
+    scheduled eval of a run's newest checkpoint (`watch`) needs only the latter: it writes under
+    `{run}/evaluate/` beside the run's writer (training), never beside another eval."""
+    return [*([] if watch and stage == "evaluate" else [None]), *(["evaluate"] if stage == "evaluate" else [])]
+
+
 @contextlib.contextmanager
 def hold_stage(config: Any, stage: str, *, watch: bool = False) -> Iterator[None]:
-    """The leases a writer of `stage` holds: the run's own (one writer per run) and, for evaluate, the
-    evaluate lease too. A scheduled eval of a run's newest checkpoint (`watch`) takes only the latter:
-    it writes under `{run}/evaluate/` beside the run's writer (training), never beside another eval."""
+    """Hold the leases a writer of `stage` needs (`_scopes`) for the block."""
     with contextlib.ExitStack() as held:
-        if not (watch and stage == "evaluate"):
-            held.enter_context(hold_run(config))
-        if stage == "evaluate":
-            held.enter_context(hold_run(config, scope="evaluate"))
+        for scope in _scopes(stage, watch):
+            held.enter_context(hold_run(config, scope=scope))
         yield
+
+
+def check_free(config: Any, stage: str, *, watch: bool = False) -> None:
+    """`RunInUseError` now if another live process holds a lease a writer of `stage` needs: an early refusal,
+    before a command starts anything (the lease itself is taken when the writing starts)."""
+    from slime.storage import ArtifactStore
+
+    if config.run.run_id is None:
+        return
+    store = ArtifactStore.from_config(config)
+    for scope in _scopes(stage, watch):
+        lease = RunLease(store.uri(config.run.run_id), store.storage_options, name=_lease_name(scope))
+        holder = lease.read()
+        if holder is not None and lease.stale_reason(holder) is None:
+            raise lease.in_use(holder)
 
 
 def _lease_name(scope: str | None) -> str:

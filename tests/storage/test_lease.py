@@ -163,3 +163,20 @@ def test_a_scheduled_eval_runs_beside_training_but_not_beside_another_eval(tmp_p
     assert not (tmp_path / "r" / LEASE_NAME).exists()
     with hold_stage(config, "rl", watch=True):  # watch concerns evaluate only: rl takes the run's lease
         assert (tmp_path / "r" / LEASE_NAME).exists() and not other.exists()
+
+
+def test_check_free_refuses_early_only_for_a_live_holder(tmp_path):
+    from slime.config import load_config
+    from slime.storage.lease import check_free
+
+    config = load_config(None, ["--store", str(tmp_path), "--run-id", "r"])
+    check_free(config, "rl")  # no lease at all
+    now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+    write_lease(str(tmp_path / "r"), {}, host="gpu-node-7", pid=4242, since=now, renewed_at=now, token="t",
+                command="slime pipeline --config x.yaml")
+    with pytest.raises(RunInUseError, match=r"slime pipeline --config x.yaml \(host gpu-node-7, pid 4242"):
+        check_free(config, "rl")
+    check_free(config, "evaluate", watch=True)  # a scheduled eval needs only the evaluate lease
+    old = "2020-01-01T00:00:00+00:00"
+    write_lease(str(tmp_path / "r"), {}, host="gpu-node-7", pid=4242, since=old, renewed_at=old, token="t")
+    check_free(config, "rl")  # stale: it will be taken over
