@@ -224,7 +224,7 @@ class RunLease:
                         logger.error("the lease of run %s was taken over by another process while this one "
                                      "still runs: %s", self.run_uri, describe_holder(self.read() or {}))
                         return
-                except OSError as exc:  # a store hiccup: the next renewal tries again
+                except Exception as exc:  # a store hiccup (OSError, a botocore error): the next renewal tries again
                     logger.warning("could not renew the lease of run %s: %s", self.run_uri, exc)
 
         self._stop.clear()
