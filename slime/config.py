@@ -681,9 +681,9 @@ def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
     means the same files from any working directory (CLI values stay relative to the working directory)."""
 
     def resolve(value: Any) -> Any:
-        if not isinstance(value, str) or "://" in value or value.startswith(("/", "~")) or not value:
+        if not isinstance(value, str) or "://" in value or not value:
             return value
-        return os.path.normpath(base / value)
+        return os.path.normpath(base / os.path.expanduser(value))  # an absolute path stays itself
 
     for dotted in INPUT_PATH_FIELDS:
         section, name = dotted.split(".")
