@@ -442,6 +442,28 @@ def test_reward_returning_a_non_number(make_module, returned, fragment):
     assert sample.reward is None
 
 
+def test_an_error_raised_in_a_ray_actor_prints_as_the_librarys_own(capsys, config_file, monkeypatch):
+    """An empty dataset found by the rollout manager (a Ray actor) reaches the command as Ray's RayTaskError,
+    whose text is the remote traceback: the command prints the library's own one-line message."""
+    import ray.exceptions
+
+    import slime.rl
+
+    cause = DataFormatError("train.jsonl: the file (and slice, if any) yielded no records")
+    remote = ray.exceptions.RayTaskError("RolloutManager.start", "Traceback (most recent call last): ...",
+                                         cause).as_instanceof_cause()
+
+    def run_rl(config):
+        raise remote
+
+    monkeypatch.setattr(slime.rl, "run_rl", run_rl)
+    from slime.cli import main
+
+    assert isinstance(remote, DataFormatError) and "yielded no records" not in str(remote)  # Ray's own text
+    assert main(["rl", "--config", str(config_file())]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {cause}"
+
+
 # ----------------------------------------------------------------------------- artifact store
 
 
