@@ -120,9 +120,11 @@ def test_the_holder_renews_its_lease_and_release_spares_a_lease_taken_over_meanw
 
 
 def test_two_processes_racing_for_one_run_get_exactly_one_lease(tmp_path):
-    """Four processes start at once on one local run: one holds it, three are refused naming a holder."""
+    """Four processes start at once on one local run: one holds it, three are refused naming a holder.
+    The holder keeps the lease until the three others have exited (it waits for the file `done`)."""
+    done = tmp_path / "done"
     script = textwrap.dedent(f"""
-        import sys, time
+        import os, sys, time
         from slime.errors import RunInUseError
         from slime.storage.lease import RunLease
         lease = RunLease({str(tmp_path / "run")!r})
@@ -132,14 +134,21 @@ def test_two_processes_racing_for_one_run_get_exactly_one_lease(tmp_path):
         except RunInUseError as exc:
             print("refused", exc)
             sys.exit(3)
-        print("held")
-        time.sleep(1.5)
+        print("held", flush=True)
+        deadline = time.time() + 120
+        while not os.path.exists({str(done)!r}) and time.time() < deadline:
+            time.sleep(0.05)
         lease.release()
     """)
     start = time.time() + 3
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(start)], stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(4)]
+    deadline = time.monotonic() + 120
+    while sum(p.poll() is not None for p in procs) < 3:  # the refused ones end at once; a second holder would not
+        assert time.monotonic() < deadline, "fewer than three writers were refused"
+        time.sleep(0.05)
+    done.touch()
     outs = [(p.wait(timeout=60), p.stdout.read()) for p in procs]
     assert sorted(code for code, _ in outs) == [0, 3, 3, 3], outs
     assert all("is in use by" in out for code, out in outs if code == 3)
