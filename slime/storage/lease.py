@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
+
 from slime.errors import RunInUseError
 from slime.storage.fs import is_local, join_uri, open_fs
 
@@ -50,13 +52,13 @@ def _now() -> dt.datetime:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # someone else's process
+    except psutil.Error:  # someone else's process we may not inspect: it exists
         return True
-    return True
 
 
 def _command() -> str:

@@ -189,3 +189,23 @@ def test_check_free_refuses_early_only_for_a_live_holder(tmp_path):
     old = "2020-01-01T00:00:00+00:00"
     write_lease(str(tmp_path / "r"), {}, host="gpu-node-7", pid=4242, since=old, renewed_at=old, token="t")
     check_free(config, "rl")  # stale: it will be taken over
+
+
+def test_a_lease_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path):
+    """A holder killed but not yet reaped by its parent (a zombie) holds nothing."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        now = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+        write_lease(str(tmp_path / "r"), {}, host=socket.gethostname(), pid=child.pid, since=now, renewed_at=now,
+                    token="z", command="slime rl")
+        with hold_run_uri(str(tmp_path / "r")):
+            assert read_lease(str(tmp_path / "r"), {})["pid"] == os.getpid()
+    finally:
+        child.wait()
