@@ -33,16 +33,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: the Prefect pipeline (flows/pipeline.py) on the embedded CPU default, as a new run
-# under runs/: tiny kit -> convert (HF -> Megatron) -> SFT -> rejection sampling (reported) -> RL
+# under runs/: tiny kit (built when missing: the config names it under `kit:`) -> convert (HF -> Megatron) -> SFT -> rejection sampling (reported) -> RL
 # (Ray, one Prefect task per step) -> evaluate (RL and SFT checkpoints) -> export (Megatron -> HF).
 # Ephemeral Prefect API (no server to start); run history in runs/.prefect. It ends with a summary
 # (time per stage, eval accuracy per stage, artifacts, exported HF directory, how to open the UI).
 # `make run RUN_ID=<an earlier id>` resumes or reuses that run.
 run: $(STAMP)
-	$(BIN)/slime datasets make-tiny $(KIT)
 	@start=$$(date +%s); $(PREFECT_ENV) $(BIN)/python -m flows.pipeline --config $(CONFIG) --run-id $(RUN_ID) \
 	  && echo "pipeline took $$(( $$(date +%s) - start )) s"
-	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/ (Prefect stage results in runs/.prefect-results);" \
+	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/ (Prefect stage results in runs/$(RUN_ID)/.prefect-results);" \
 	      "same run again (reuses every completed stage): make run RUN_ID=$(RUN_ID)"
 
 # A local Prefect server (http://127.0.0.1:$(PORT), run history in runs/.prefect), the process work pool
@@ -53,7 +52,6 @@ run: $(STAMP)
 #   .venv/bin/prefect deployment run 'post-training/tiny-cpu' --watch
 PORT ?= 4200
 serve: $(STAMP)
-	$(BIN)/slime datasets make-tiny $(KIT)
 	@set -e; mkdir -p runs; export $(PREFECT_ENV) PREFECT_API_URL=http://127.0.0.1:$(PORT)/api; \
 	setsid $(BIN)/prefect server start --host 127.0.0.1 --port $(PORT) > runs/prefect-server.log 2>&1 & server=$$!; \
 	trap 'kill -INT $$server 2>/dev/null; wait $$server 2>/dev/null' EXIT; \

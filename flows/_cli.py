@@ -18,12 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from prefect import Flow
-from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_HOME,
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    temporary_settings,
+)
 
+from flows._stage import resolve_run
 from slime.errors import SlimeError
 from slime.signals import sigterm_as_exit
+from slime.storage.lease import check_free
 
 DEFAULT_CONFIG = "deployments/tiny-cpu.yaml"
+# Prefect's default (20 s) is too short for its ephemeral API server on a loaded 2-core machine (25-46 s
+# measured): `slime pipeline` without make timed out where `make run` (which sets 180 s) did not
+EPHEMERAL_STARTUP_TIMEOUT_S = 180
 
 
 def parse(prog: str, description: str, argv: list[str] | None, takes_model: bool) -> dict[str, Any]:
@@ -65,7 +75,15 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     module = Path(inspect.getfile(flow.fn)).stem  # not __module__: that is "__main__" under python -m
     params = parse(f"python -m flows.{module}", flow.description or flow.name, argv,
                    takes_model)
-    with sigterm_as_exit():  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
+    try:  # the config, its kit, its input paths and the run's lease, before Prefect and its API server start
+        config, _ = resolve_run(params["config"], params["overrides"], params["store"], params["run_id"])
+        check_free(config, module, watch=bool(config.eval.eval_watch_run))
+    except SlimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    startup = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), EPHEMERAL_STARTUP_TIMEOUT_S)
+    with (sigterm_as_exit(),  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
+          temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup})):
         state = flow(**params, return_state=True)
     flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
     try:

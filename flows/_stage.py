@@ -14,15 +14,19 @@ from flows._report import publish_stage_report
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config, load_config
 from slime.errors import NotCommittedError
+from slime.preflight import prepare_run
 from slime.storage import ArtifactStore
+from slime.storage.lease import hold_stage
 from tasks._cache import result_storage
 
 
-def resolve_run(config: str, overrides: list[str] | None, store: str | None, run_id: str | None) -> tuple[Config, str]:
+def resolve_run(config: str, overrides: list[str] | None, store: str | None, run_id: str | None, *,
+                prepare: bool = True) -> tuple[Config, str]:
     """The validated config (file, then overrides, then `store`/`run_id`) and the run id to use.
 
     Without a run id anywhere, the run is named after the flow run's scheduled start time
-    (`run-YYYYmmdd-HHMMSS`), the same value the flow run name shows.
+    (`run-YYYYmmdd-HHMMSS`), the same value the flow run name shows. `prepare`: the kit is built when
+    missing and every input path checked (slime.preflight), before any task starts.
     """
     tokens = list(overrides or [])
     if store:
@@ -34,6 +38,8 @@ def resolve_run(config: str, overrides: list[str] | None, store: str | None, run
         started = flow_run.scheduled_start_time or dt.datetime.now(dt.UTC)
         resolved = resolved.model_copy(update={"run": resolved.run.model_copy(
             update={"run_id": f"run-{started.strftime('%Y%m%d-%H%M%S')}"})})
+    if prepare:
+        resolved = prepare_run(resolved)
     return resolved, resolved.run.run_id
 
 
@@ -44,7 +50,7 @@ def run_name(stage: str) -> Any:
         params = flow_run.parameters
         try:
             _, run_id = resolve_run(params["config"], params.get("overrides"), params.get("store"),
-                                    params.get("run_id"))
+                                    params.get("run_id"), prepare=False)
         except Exception:  # a bad config fails in the flow body, with its real message
             run_id = params.get("run_id") or "unresolved"
         return f"{stage}-{run_id}"
@@ -68,15 +74,19 @@ def newest_model(config: Config, run_id: str, stages: tuple[str, ...]) -> str:
 
 
 def run_stage(stage_task: Task, config: Config, run_id: str, inputs: dict[str, str], output: str,
-              decorate: Callable[[dict[str, Any], Config], None] | None = None) -> dict[str, Any]:
+              decorate: Callable[[dict[str, Any], Config], None] | None = None, *, watch: bool = False
+              ) -> dict[str, Any]:
     """Run (or reuse) one stage task; returns its result plus `status` ("ran" or "cached") and `run_id`.
 
     Failures propagate (the flow fails, and a re-run resumes here). The stage report is published
     for reused results too, since Prefect does not re-create artifacts of cached task runs;
-    `decorate(summary, config)` may add `figures` to it first (drawn from the stored artifacts).
+    `decorate(summary, config)` may add `figures` to it first (drawn from the stored artifacts). The
+    stage holds the run's lease (slime.storage.lease; `watch`: a scheduled eval, only the evaluate lease).
     """
-    storage = result_storage(config.run.store, config.run.storage_options)
-    state = stage_task.with_options(result_storage=storage)(config, run_id, inputs, output, return_state=True)
+    # the results of a run's stages live in the run's directory, like everything else it writes
+    storage = result_storage(ArtifactStore.from_config(config).uri(run_id), config.run.storage_options)
+    with hold_stage(config, stage_task.name, watch=watch):  # one writer per run (the pipeline holds it already)
+        state = stage_task.with_options(result_storage=storage)(config, run_id, inputs, output, return_state=True)
     result = state.result()
     summary = {**result, "status": "cached" if state.name == "Cached" else "ran", "run_id": run_id,
                "inputs": inputs}

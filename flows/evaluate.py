@@ -43,10 +43,11 @@ def eval_inputs(config: Config, model: str) -> dict[str, str]:
     return inputs
 
 
-def evaluate_one(config: Config, run_id: str, model: str) -> dict[str, Any]:
-    """Evaluate (or reuse the evaluation of) one checkpoint; the output directory is slime.evaluate's plan."""
+def evaluate_one(config: Config, run_id: str, model: str, watch: bool = False) -> dict[str, Any]:
+    """Evaluate (or reuse the evaluation of) one checkpoint; the output directory is slime.evaluate's plan.
+    `watch`: a scheduled eval beside the run's own writer (it takes only the evaluate lease)."""
     plan = plan_evaluate(with_fields(config, checkpoint__load=model, eval__eval_watch_run=None))
-    return run_stage(evaluate, config, run_id, eval_inputs(config, model), plan.uri)
+    return run_stage(evaluate, config, run_id, eval_inputs(config, model), plan.uri, watch=watch)
 
 
 def evaluate_run_name() -> str:
@@ -76,8 +77,9 @@ def evaluate_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = No
         model = plan.source
         cfg = with_fields(cfg, eval__eval_watch_run=None)  # the same cache key as an eval of that checkpoint
     model = model or newest_model(cfg, run_id, MODEL_STAGES)
-    compared = [evaluate_one(cfg, run_id, other) for other in compare or []]
-    result = evaluate_one(cfg, run_id, model)  # last: its report is the one under <run>-evaluate-report
+    watch = bool(eval_watch_run)  # beside the run's writer: only the evaluate lease
+    compared = [evaluate_one(cfg, run_id, other, watch) for other in compare or []]
+    result = evaluate_one(cfg, run_id, model, watch)  # last: its report is the one under <run>-evaluate-report
     publish_eval_table(run_id, [*compared, result])
     return {**result, "compared": compared}
 

@@ -29,6 +29,7 @@ from flows.rl import rl_flow
 from flows.sft import sft_flow
 from slime.config import Config
 from slime.errors import ConfigError
+from slime.storage.lease import hold_run
 from tasks.export_check import check_export
 
 # DESIGN.md's stage order; OPTIONAL ones can be left out with `skip`
@@ -44,33 +45,34 @@ def checkpoint_of(result: dict[str, Any]) -> str:
 def pipeline(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, store: str | None = None,
              run_id: str | None = None, skip: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """convert -> sft -> rejection_sampling -> rl -> evaluate -> export (`skip`: optional stages left out)."""
-    _, run_id = resolve_run(config, overrides, store, run_id)
+    resolved, run_id = resolve_run(config, overrides, store, run_id)
     skip = list(skip or [])
     if unknown := set(skip) - set(OPTIONAL):
         raise ConfigError(f"pipeline skip={sorted(unknown)}: only {', '.join(OPTIONAL)} can be skipped")
     common = {"config": config, "overrides": overrides, "store": store, "run_id": run_id}
     results: dict[str, dict[str, Any]] = {}
-    try:
-        results["convert"] = convert_flow(**common)
-        results["sft"] = sft_flow(**common, model=checkpoint_of(results["convert"]))
-        sft_checkpoint = final = checkpoint_of(results["sft"])
-        if "rejection_sampling" not in skip:
-            results["rejection_sampling"] = rejection_sampling_flow(**common, model=sft_checkpoint)
-        if "rl" not in skip:
-            results["rl"] = rl_flow(**common, model=sft_checkpoint)
-            final = checkpoint_of(results["rl"])
-        if "evaluate" not in skip:
-            # the untrained (converted) model and SFT as well, for accuracy stage over stage
-            earlier = [checkpoint_of(results["convert"]), *([sft_checkpoint] if final != sft_checkpoint else [])]
-            results["evaluate"] = evaluate_flow(**common, model=final, compare=earlier)
-        results["export"] = export_flow(**common, model=final)
-        if "evaluate" in results:
-            results["export"]["answers_check"] = check_exported_model(results, config, overrides, store, run_id)
-    finally:
-        publish_pipeline_table(run_id, stage_rows(results, skip))
-        logger = get_run_logger()
-        for row in stage_rows(results, skip):
-            logger.info("%-18s %s %s", row["stage"], row["status"], row["artifact"])
+    with hold_run(resolved):  # one writer per run, for the whole pipeline (each stage flow re-enters it)
+        try:
+            results["convert"] = convert_flow(**common)
+            results["sft"] = sft_flow(**common, model=checkpoint_of(results["convert"]))
+            sft_checkpoint = final = checkpoint_of(results["sft"])
+            if "rejection_sampling" not in skip:
+                results["rejection_sampling"] = rejection_sampling_flow(**common, model=sft_checkpoint)
+            if "rl" not in skip:
+                results["rl"] = rl_flow(**common, model=sft_checkpoint)
+                final = checkpoint_of(results["rl"])
+            if "evaluate" not in skip:
+                # the untrained (converted) model and SFT as well, for accuracy stage over stage
+                earlier = [checkpoint_of(results["convert"]), *([sft_checkpoint] if final != sft_checkpoint else [])]
+                results["evaluate"] = evaluate_flow(**common, model=final, compare=earlier)
+            results["export"] = export_flow(**common, model=final)
+            if "evaluate" in results:
+                results["export"]["answers_check"] = check_exported_model(results, config, overrides, store, run_id)
+        finally:
+            publish_pipeline_table(run_id, stage_rows(results, skip))
+            logger = get_run_logger()
+            for row in stage_rows(results, skip):
+                logger.info("%-18s %s %s", row["stage"], row["status"], row["artifact"])
     return results
 
 

@@ -84,17 +84,23 @@ def _datasets_make_tiny(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _stage(run: str) -> Callable[[argparse.Namespace, list[str]], int]:
-    """A handler that loads the config (file + overrides), runs one library stage, prints its result."""
+def _stage(run: str, stage: str) -> Callable[[argparse.Namespace, list[str]], int]:
+    """A handler that loads the config (file + overrides), prepares the run (kit, outputs under
+    {store}/{run_id}, inputs checked: slime.preflight), holds the run's lease, runs one library stage and
+    prints its result."""
 
     def handler(args: argparse.Namespace, overrides: list[str]) -> int:
         import importlib
 
         from slime.config import load_config
+        from slime.preflight import prepare_run
+        from slime.storage.lease import hold_stage
 
         module, function = run.rsplit(".", 1)
-        config = load_config(args.config, overrides)
-        result = getattr(importlib.import_module(module), function)(config)
+        config = prepare_run(load_config(args.config, overrides), stage)
+        stage_function = getattr(importlib.import_module(module), function)
+        with hold_stage(config, stage, watch=bool(config.eval.eval_watch_run)):
+            result = stage_function(config)
         print(json.dumps(result, indent=1, sort_keys=True))
         return 0
 
@@ -135,10 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                "--update-weights-interval, --colocate)"),
     }
     for name, (run, description) in stages.items():
+        stage_dir = {"rejection-sample": "rejection_sampling"}.get(name, name)
         stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "
                                     "can be given as --flag value (slime's flag names).")
         stage.add_argument("--config", help="YAML config file")
-        stage.set_defaults(handler=_stage(run), takes_overrides=True)
+        stage.set_defaults(handler=_stage(run, stage_dir), takes_overrides=True)
 
     config = commands.add_parser("config", help="inspect configurations").add_subparsers(dest="sub", required=True)
     show = config.add_parser("show", help="print the resolved config and section hashes",
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args, extra)
     except SlimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        cause = getattr(exc, "cause", None)  # a Ray task's error wraps the library's own (with a remote traceback)
+        print(f"error: {cause if isinstance(cause, SlimeError) else exc}", file=sys.stderr)
         return 2
 
 

@@ -21,16 +21,20 @@ import difflib
 import functools
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from slime.errors import ConfigError
 
 # ----------------------------------------------------------------------------- sections
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class _Section(BaseModel):
@@ -42,12 +46,22 @@ class RunConfig(_Section):
 
     store: str = Field("./runs", description="artifact store root: any fsspec URL (./runs, s3://bucket/x)")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the store")
-    run_id: str | None = Field(None, description="run directory under the store; reuse it to resume")
+    run_id: str | None = Field(None, description="run directory under the store; reuse it to resume (letters, "
+                                                 "digits, '.', '_', '-'; no '/' or '..')")
     seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")
     use_tensorboard: bool = Field(False, description="`slime rl`: also write step metrics to TensorBoard (needs the "
                                                      "tensorboard package)")
     tensorboard_dir: str | None = Field(None, description="local TensorBoard log dir; None: {store}/{run_id}/rl/"
                                                           "tensorboard (local stores only)")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_name(cls, value: str | None) -> str | None:
+        # one directory under the store: a '/' or '..' would write into another run or outside the store
+        if value is not None and not RUN_ID_PATTERN.fullmatch(value):
+            raise ValueError(f"run id {value!r} must be one directory name: letters, digits, '.', '_', '-', "
+                             "starting with a letter or digit (no '/' or '..')")
+        return value
 
 
 class ClusterConfig(_Section):
@@ -71,7 +85,8 @@ class CheckpointConfig(_Section):
     model_name: str | None = None
     ref_load: str | None = Field(None, description="reference model checkpoint (KL, initial weights)")
     load: str | None = Field(None, description="checkpoint to resume from")
-    save: str | None = Field(None, description="checkpoint directory")
+    save: str | None = Field(None, description="checkpoint directory; None: {store}/{run_id}/<stage>/checkpoint; "
+                                               "relative: under {store}/{run_id}")
     save_interval: int | None = Field(None, ge=1, description="RL: save every N rollouts, and at the "
                                                               "end (SFT: sft_save_interval)")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
@@ -237,7 +252,8 @@ class RejectionSamplingConfig(_Section):
 class ExportConfig(_Section):
     """Megatron checkpoint -> HF safetensors directory."""
 
-    output_dir: str | None = Field(None, description="HF directory to write (must not hold a committed export)")
+    output_dir: str | None = Field(None, description="HF directory to write (must not hold a committed export); "
+                                                     "None: {store}/{run_id}/export/hf; relative: under {store}/{run_id}")
     origin_hf_dir: str | None = Field(None, description="HF dir for config and tokenizer; default: the one "
                                                         "recorded in the checkpoint")
 
@@ -300,6 +316,16 @@ class SyncConfig(_Section):
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="distributed mode: process-group timeout")
 
 
+class KitConfig(_Section):
+    """A generated model kit (slime/data/tiny.py: tokenizer, model, task data) that the config's paths point
+    into; every entry point builds it when `kit_dir` holds none, before anything starts."""
+
+    kit_recipe: str | None = Field(None, description="recipe YAML of the kit (datasets/<kit>/recipe.yaml); relative: "
+                                                     "to the config file's directory")
+    kit_dir: str | None = Field(None, description="local directory the kit is built in when missing; relative: to "
+                                                  "the config file's directory")
+
+
 class Config(BaseModel):
     """The whole configuration. Sections are typed; `sglang`, `router`, `megatron` pass through."""
 
@@ -319,9 +345,16 @@ class Config(BaseModel):
     export: ExportConfig = Field(default_factory=ExportConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    kit: KitConfig = Field(default_factory=KitConfig)
     sglang: dict[str, Any] = Field(default_factory=dict)
     router: dict[str, Any] = Field(default_factory=dict)
     megatron: dict[str, Any] = Field(default_factory=dict)
+    # dotted field -> where it was set ("file.yaml:12" or "--flag"), for messages of later checks
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def source(self, dotted: str) -> str | None:
+        """Where `section.field` was set (YAML file and line, or the CLI flag); None for a default."""
+        return self._sources.get(dotted)
 
     def section_hash(self, *sections: str) -> str:
         """sha256 of the canonical JSON of the named sections (all of them when none is named).
@@ -622,6 +655,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         where = {key: f"{path}:{line}" for key, line in lines.items()}
         _check_yaml_keys(data, where)
         data = {k: v for k, v in data.items() if v is not None}
+        _resolve_inputs(data, path.absolute().parent)
     if overrides:
         nested, origin = parse_overrides(overrides)
         data = _merge(data, nested)
@@ -631,7 +665,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, where)) from None
     _validate(config, where)
+    config._sources = where
     return config
+
+
+# inputs a stage reads (model, tokenizer, data, eval files, the kit); the pre-flight checks that they exist
+INPUT_PATH_FIELDS = ("checkpoint.hf_checkpoint", "checkpoint.ref_load", "checkpoint.load", "data.prompt_data",
+                     "sft.sft_data", "rejection_sampling.rs_prompt_data", "rejection_sampling.rs_policy",
+                     "eval.eval_prompt_data", "eval.eval_config", "export.origin_hf_dir", "kit.kit_recipe",
+                     "kit.kit_dir")
+
+
+def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
+    """Relative local input paths set in a YAML file resolve against the file's directory, so a config
+    means the same files from any working directory (CLI values stay relative to the working directory)."""
+
+    def resolve(value: Any) -> Any:
+        if not isinstance(value, str) or "://" in value or not value:
+            return value
+        return os.path.normpath(base / os.path.expanduser(value))  # an absolute path stays itself
+
+    for dotted in INPUT_PATH_FIELDS:
+        section, name = dotted.split(".")
+        values = data.get(section)
+        if not isinstance(values, dict) or name not in values:
+            continue
+        value = values[name]
+        values[name] = {k: resolve(v) for k, v in value.items()} if isinstance(value, dict) else resolve(value)
 
 
 def _format_validation_error(exc: ValidationError, where: dict[str, str]) -> str:
@@ -711,8 +771,13 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.sync.async_mode and config.cluster.colocate:
         fail("sync.async_mode", "async (one-step-off) generation needs separate train and rollout GPUs: it "
              "cannot be combined with colocate", "cluster.colocate")
-    if config.checkpoint.save_interval and not config.checkpoint.save:
-        fail("checkpoint.save_interval", "save_interval is set but save (the checkpoint directory) is not")
+    from slime.storage.fs import unknown_protocol
+
+    if (protocol := unknown_protocol(config.run.store)) is not None:
+        fail("run.store", f"unknown storage protocol {protocol!r} in {config.run.store!r}: use a local path or an "
+             "fsspec URL (s3://bucket/prefix, gs://..., memory://...)")
+    # checkpoint.save_interval without checkpoint.save: a stage saves to {store}/{run_id}/<stage>/checkpoint
+    # (slime.preflight.place_outputs), which fails there when the run has no id
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
         fail("data.rollout_max_prompt_len", "needs checkpoint.hf_checkpoint for its tokenizer")
     if config.sglang or config.router:

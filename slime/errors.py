@@ -33,6 +33,10 @@ class CorruptArtifactError(StorageError):
     """A committed artifact does not match its manifest (checksum, size, row count, schema)."""
 
 
+class StorageWriteError(StorageError, OSError):
+    """Writing an artifact's file failed (disk full, permission, network); nothing was committed."""
+
+
 class SchemaVersionError(StorageError):
     """A shard was written with a schema version this code cannot read."""
 
@@ -61,3 +65,12 @@ class EngineHTTPError(EngineError):
 
     def __reduce__(self):  # keep the attributes across pickling (Ray, Prefect, multiprocessing)
         return (type(self), self.args, self.__dict__)
+
+
+class InputNotFoundError(ConfigError, FileNotFoundError):
+    """A model, tokenizer, prompt or eval path named in the config does not exist; the message names the config
+    field, the path and where the field was set."""
+
+
+class RunInUseError(StorageError):
+    """Another process holds the run's lease (one writer per run); the message names it (host, pid, since)."""

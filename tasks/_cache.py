@@ -40,7 +40,7 @@ from slime.storage.manifest import verify_files
 
 logger = logging.getLogger(__name__)
 
-RESULTS_DIR = ".prefect-results"  # under the store root; a leading dot can never be a run id
+RESULTS_DIR = ".prefect-results"  # under the run directory; a leading dot can never be a stage name
 CONTENT_HASH_LIMIT = 64 * 1024**2  # larger uncommitted files are fingerprinted by size and mtime
 MAX_SUPERSEDED = 64
 
@@ -171,7 +171,8 @@ class StageCachePolicy(CachePolicy):
 
 
 def result_storage(store: str, storage_options: dict[str, Any] | None = None) -> Path | str:
-    """Where stage results are persisted: `{store}/.prefect-results`.
+    """Where stage results are persisted: `{store}/.prefect-results`, `store` being the run's directory
+    `{run.store}/{run_id}` (flows/_stage.py), so that everything a run writes lives under it.
 
     A local store gives a path (Prefect makes a LocalFileSystem of it). A remote store (s3://...)
     gives the slug of a RemoteFileSystem block saved for it (an unsaved block instance is refused by

@@ -37,9 +37,10 @@ def test_sft_lowers_loss_commits_and_exports(tiny_kit, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == 384
 
 
-def test_sft_needs_its_data():
-    result = subprocess.run([SLIME, "sft", "--hf-checkpoint", "x", "--save", "y"], capture_output=True, text=True,
-                            timeout=120)
+def test_sft_needs_its_data(tiny_kit):
+    # an existing model: a missing --hf-checkpoint path is refused first (slime.preflight)
+    result = subprocess.run([SLIME, "sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", "y"],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "stage 'sft' needs: sft.sft_data (--sft-data)" in result.stderr
 
 

@@ -157,6 +157,10 @@ def _check_options(
     """Reject option combinations that would otherwise be ignored or fail mid-file."""
     if apply_chat_template and tokenizer is None:
         raise ConfigError("apply_chat_template=True needs a tokenizer")
+    if apply_chat_template and getattr(tokenizer, "chat_template", "") is None:
+        raise ConfigError(f"data.apply_chat_template (--apply-chat-template) is set but the tokenizer of "
+                          f"{getattr(tokenizer, 'name_or_path', '') or 'the model'} has no chat template: unset it "
+                          "(raw prompts) or use a tokenizer that has one")
     if template_kwargs and not apply_chat_template:
         raise ConfigError("apply_chat_template_kwargs given but apply_chat_template is False")
     reserved = sorted(set(template_kwargs or {}) & set(_RESERVED_TEMPLATE_KWARGS))

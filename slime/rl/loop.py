@@ -70,6 +70,9 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
                           "false (engines cannot release their memory during a rollout)")
     check_tensorboard(config.run.use_tensorboard)
+    from slime.rollout.hooks import check_rollout_plugins  # imports the user's plugin modules
+
+    check_rollout_plugins(config, load_tokenizer=False)  # here, before Ray: a bad plugin path is one line, not a Ray actor's traceback
     if config.run.use_tensorboard and not config.run.tensorboard_dir:
         store = ArtifactStore.from_config(config)
         if not is_local(open_fs(store.root, store.storage_options)[0]):
@@ -84,10 +87,13 @@ class RLLoop:
                  num_gpus: int | None = None) -> None:
         check_rl_config(config)
         self.config = config.model_copy(deep=True)
-        self.log_dir = log_dir
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.offload_rollout, self.offload_train = _offloads(config)
         self.store = ArtifactStore.from_config(config)
+        # engine and router logs: with the run's other outputs, {store}/{run_id}/rl/logs (a temporary
+        # directory on a remote store: engines write plain files)
+        fs, logs = open_fs(self.store.uri(config.run.run_id, STAGE, "logs"), self.store.storage_options)
+        self.log_dir = log_dir or (logs if is_local(fs) else None)
         self.metrics_uri = self.store.uri(config.run.run_id, STAGE, "metrics.jsonl")
         self.cluster: Any = None  # a RayCluster this loop started (None: joined an initialised Ray)
         self.placement: Any = None

@@ -83,14 +83,15 @@ class RolloutPlugins:
     all_samples_process: Callable[..., Any] | None
 
 
-def check_rollout_plugins(args: Any) -> RolloutPlugins:
-    """Load and check every rollout hook and the reward settings; raise before any generation."""
+def check_rollout_plugins(args: Any, *, load_tokenizer: bool = True) -> RolloutPlugins:
+    """Load and check every rollout hook and the reward settings; raise before any generation (and without
+    `load_tokenizer`, before the model's tokenizer is loaded: the RL driver checks, its rollout manager loads)."""
     if hasattr(args, "as_namespace"):
         args = args.as_namespace()
     _load(args, "rollout_function_path", ROLLOUT_FUNCTION_PARAMS, is_async=False)
     _load(args, "buffer_filter_path", BUFFER_FILTER_PARAMS, is_async=False)
     custom = _load(args, "custom_generate_function_path", GENERATE_PARAMS, is_async=True)
-    if custom is None:
+    if custom is None and load_tokenizer:
         tokenizer_of(args)  # the default generate encodes prompts: fail now if there is no tokenizer
     check_reward_config(args)
     if getattr(args, "partial_rollout", False) and not getattr(args, "rollout_max_response_len", None):

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from slime.errors import CorruptArtifactError, NotCommittedError, StorageError
+from slime.errors import CorruptArtifactError, NotCommittedError, StorageError, StorageWriteError
 from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import (
     FileEntry,
@@ -148,10 +148,15 @@ class ShardSetWriter:
         else:
             pq.write_table(table, sink, compression=self.compression)
         data = sink.getvalue()
-        self._fs.makedirs(self._root, exist_ok=True)
-        # listed before the upload, so that abort() also removes a partially uploaded file
-        self._files.append(file_entry(name, memoryview(data), rows=table.num_rows))
-        self._fs.pipe_file(join_uri(self._root, name), data.to_pybytes())
+        target = join_uri(self._root, name)
+        try:
+            self._fs.makedirs(self._root, exist_ok=True)
+            # listed before the upload, so that abort() also removes a partially uploaded file
+            self._files.append(file_entry(name, memoryview(data), rows=table.num_rows))
+            self._fs.pipe_file(target, data.to_pybytes())
+        except OSError as exc:  # disk full, permissions, a failed upload: name the file; the set stays uncommitted
+            raise StorageWriteError(f"{target}: cannot write this part of shard set {self.uri}: "
+                                    f"{exc.strerror or exc}; the shard set was not committed") from exc
 
     # ------------------------------------------------------------------ publishing
 

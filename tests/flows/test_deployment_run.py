@@ -57,7 +57,13 @@ def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
             origin, store = tmp_path / "origin", tmp_path / "store"
             overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
                          "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]
-            # 1. a deployment run whose export fails (its origin HF directory is not there yet): --watch exits 1
+            # 1. a deployment run whose export fails: its origin HF directory describes another architecture
+            # (half the MLP width), which the checkpoint does not fit; --watch exits 1. (A missing origin
+            # directory fails before any stage runs: slime.preflight.)
+            shutil.copytree(tiny_kit.model_dir, origin)
+            hf_config = json.loads((origin / "config.json").read_text())
+            hf_config["intermediate_size"] //= 2
+            (origin / "config.json").write_text(json.dumps(hf_config))
             cli(server, "deployment", "run", "post-training/tiny-cpu", "--watch",
                 "--param", f"overrides={json.dumps(overrides)}", "--param", f"store={json.dumps(str(store))}",
                 "--param", 'run_id="deployed"', "--param", f"skip={json.dumps(list(OPTIONAL))}",
@@ -66,6 +72,7 @@ def test_deployment_run_of_the_tiny_pipeline_exits_0(tiny_kit, tmp_path):
             committed_at = json.loads(sft_manifest.read_text())["created_at"]
 
             # 2. fixed, then `prefect flow-run retry`: the worker runs it again and it continues at export
+            shutil.rmtree(origin)
             shutil.copytree(tiny_kit.model_dir, origin)
             cli(server, "flow-run", "retry", "post-training-deployed", worker_log=worker_log)
             deadline = time.monotonic() + 300

@@ -12,6 +12,7 @@ import pytest
 from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 
+import slime.backends.megatron.hf_export
 import slime.rejection_sampling
 import tasks.convert
 import tasks.export
@@ -20,7 +21,6 @@ import tasks.sft
 from flows._report import artifact_key
 from flows.export import export_flow
 from flows.pipeline import OPTIONAL, pipeline
-from slime.errors import ConfigError
 from slime.rl.metrics import outcome, outcome_differences, read_metrics
 from slime.storage import ArtifactStore, read_manifest
 from slime.storage.manifest import verify_files
@@ -49,15 +49,18 @@ def statuses(results):
     return {stage: result["status"] for stage, result in results.items()}
 
 
-def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_api, tiny_kit, tmp_path, calls):
+def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_api, tiny_kit, tmp_path, calls,
+                                                                       inject_failure):
     store, origin = tmp_path / "store", tmp_path / "origin"
+    shutil.copytree(tiny_kit.model_dir, origin)
     params = {"config": str(TINY_CPU), "store": str(store), "run_id": "t1", "skip": list(OPTIONAL),
               "overrides": ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:64]",
                             "--sft-num-epoch", "1", "--origin-hf-dir", str(origin)]}
     layout = ArtifactStore(str(store))
 
-    # 1. export fails: its origin HF directory is not there yet
-    with pytest.raises(ConfigError, match="origin"):
+    # 1. export fails while writing the HF weights (a missing --origin-hf-dir now fails before any stage runs)
+    failure = inject_failure(slime.backends.megatron.hf_export, "save_hf_weights")
+    with pytest.raises(RuntimeError, match="injected failure in save_hf_weights"):
         pipeline(**params)
     assert calls == {"convert": 1, "sft": 1, "rejection_sampling": 0, "export": 1}
     assert layout.committed("t1", "convert") == [] and (store / "t1" / "convert" / "checkpoint").is_dir()
@@ -65,7 +68,7 @@ def test_pipeline_resumes_at_the_failed_stage_and_reuses_completed_ones(prefect_
     assert read_manifest(str(sft_dir)).metadata["stage"] == "sft"
 
     # 2. fixed, same parameters: convert and sft are reused, export runs
-    shutil.copytree(tiny_kit.model_dir, origin)
+    failure.armed = False
     state = pipeline(**params, return_state=True)
     results = state.result()
     assert statuses(results) == {"convert": "cached", "sft": "cached", "export": "ran"}

@@ -15,7 +15,8 @@ TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
 
 @pytest.fixture
 def config_without_run_id(tmp_path):
-    data = yaml.safe_load(TINY_CPU.read_text())
+    # a copy elsewhere: its paths relative to deployments/ made absolute
+    data = yaml.safe_load(TINY_CPU.read_text().replace("../", f"{TINY_CPU.parents[1]}/"))
     del data["run"]["run_id"]
     path = tmp_path / "no-run-id.yaml"
     path.write_text(yaml.safe_dump(data))

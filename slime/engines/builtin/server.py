@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -218,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):  # else transformers' hub-id traceback
+        print(f"error: --model {args.model_path}: not a local HF model directory (no config.json in it)",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs(**{k: v for k, v in vars(args).items() if k != "log_level"})
     engine = BuiltinEngine(engine_args)
