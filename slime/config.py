@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slime.errors import ConfigError
+from slime.slime_flags import REFUSED
 
 # ----------------------------------------------------------------------------- sections
 
@@ -484,6 +485,8 @@ def _check_yaml_keys(data: dict[str, Any], where: dict[str, str]) -> None:
                 path = f"{key}.{name}"
                 if name in FIELD_SECTION:
                     hint = f"; it belongs under '{FIELD_SECTION[name]}:'"
+                elif name in REFUSED:
+                    hint = f"; slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}"
                 else:
                     hint = _suggest(name, [n for n, s in FIELD_SECTION.items() if s == key])
                 raise ConfigError(f"{where.get(path, path)}: unknown field {path!r}{hint}")
@@ -725,6 +728,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    refused = sorted(set(config.megatron) & REFUSED.keys())
+    if refused:  # one of slime's own flags this project does not do: say why rather than pass it on
+        name = refused[0]
+        fail(f"megatron.{name}", f"slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}")
     typed = sorted(set(config.megatron) & set(FIELD_SECTION))
     if typed:  # e.g. `megatron: {lr_decay_style: cosine}`: the typed field is the one the trainer reads
         name = typed[0]

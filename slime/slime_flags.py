@@ -1,0 +1,277 @@
+"""slime's own command-line flags and what this project does with each, so a slime launch script works here.
+
+`slime_flags.tsv` lists every flag THUDM/slime's `slime/utils/arguments.py` defines itself (not Megatron's
+nor SGLang's own), with slime's type, default and help, at the commit named in its header. Each flag ends
+in one of three states:
+
+* accepted: a config field of the same name with slime's meaning (`slime config reference` lists it), or
+  a Megatron flag the `megatron:` pass-through takes;
+* mapped: accepted, but this project does the job its own way (`MAPPED` says how; `load_config` logs it
+  once when the flag is set);
+* refused: `REFUSED` gives the one-line reason, naming what is missing; `load_config` raises a
+  `ConfigError` naming the flag instead of ignoring it.
+
+`DEFAULTS_DIFFER` lists the accepted flags whose default here is not slime's, and why.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE = Path(__file__).with_name("slime_flags.tsv")
+
+
+@dataclass(frozen=True)
+class SlimeFlag:
+    """One row of `slime_flags.tsv`: a flag as slime declares it."""
+
+    flag: str  # --rollout-batch-size
+    dest: str  # slime's args attribute (differs from the flag for its store_false --disable-* flags)
+    type: str  # int, float, str, bool, json.loads
+    default: str  # slime's default, as Python source
+    action: str
+    nargs: str
+    choices: str  # comma-separated
+    group: str  # slime's add_<group>_arguments
+    declared_by: str  # add_argument, or reset_arg (a Megatron flag slime re-declares or re-defaults)
+    help: str
+
+    @property
+    def name(self) -> str:
+        """The flag as a config field name: `--rollout-batch-size` -> rollout_batch_size."""
+        return self.flag[2:].replace("-", "_")
+
+
+@functools.cache
+def slime_flags() -> tuple[SlimeFlag, ...]:
+    """Every row of `slime_flags.tsv`, in slime's order."""
+    lines = [line for line in TABLE.read_text().splitlines() if line and not line.startswith("#")]
+    rows = list(csv.reader(lines[1:], delimiter="\t", quoting=csv.QUOTE_NONE))
+    return tuple(SlimeFlag(*row) for row in rows)
+
+
+def source_commit() -> str:
+    """The THUDM/slime commit the table was read from (its header names it)."""
+    for line in TABLE.read_text().splitlines():
+        if "at commit " in line:
+            return line.split("at commit ", 1)[1].split()[0]
+    raise ValueError(f"{TABLE}: header names no commit")
+
+
+_NO_MOE = "MoE routing replay is not built here (no MoE model support)"
+_NO_OPD = "on-policy distillation (a teacher's log-probs as reward) is not built here"
+_NO_PROFILE = "memory and torch profiling hooks are not built here"
+_NO_BUFFER = "slime's external rollout-buffer server protocol is not built here; rollouts come from the engines"
+
+# flag (as a field name) -> why this project refuses it: what is missing
+REFUSED: dict[str, str] = {
+    "distributed_timeout_minutes": "the trainer's process-group timeout is not configurable here (the weight-sync "
+                                   "group's is --weight-sync-timeout-s)",
+    "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
+    "train_env_vars": "train actors take no extra environment; set variables in the environment that starts Ray",
+    "update_weight_mode": "delta weight sync is not built here; every sync sends the full weights",
+    "update_weight_transport": "set the sync carrier with --weight-sync-mode (disk, tensor, distributed)",
+    "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
+    "update_weight_disk_keep_files": "disk sync keeps only the newest weights directory; keeping every one is "
+                                     "not built here",
+    "update_weight_delta_encoding": "delta weight sync is not built here; every sync sends the full weights",
+    "update_weight_delta_checksum": "delta weight sync is not built here; every sync sends the full weights",
+    "custom_update_weight_post_write_path": "no post-write hook in disk sync here (the engines read the local "
+                                            "files directly)",
+    "update_weight_local_checkpoint_dir": "the engines' /pull_weights (host-local checkpoint copy) is not built "
+                                          "here",
+    "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
+                                  "here",
+    "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
+    "log_probs_chunk_size": "chunked log-prob computation is not built here (log-probs use whole micro-batches)",
+    "only_train_params_name_list": "partial-parameter training is not built here: every parameter trains",
+    "freeze_params_name_list": "partial-parameter training is not built here: every parameter trains",
+    "freeze_indexer": "DSA indexer layers are not built here",
+    "allgather_cp": "context parallelism is not built here",
+    "rollout_sample_hook_path": "per-sample rollout hooks are not built here",
+    "custom_rollout_log_function_path": "custom rollout logging is not built here",
+    "custom_eval_rollout_log_function_path": "custom eval logging is not built here",
+    "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
+    "rollout_data_postprocess_path": "the trainer's rollout-data post-process hook is not built here",
+    "rollout_data_transport": "rollout data travels as Arrow shards in the artifact store; no Ray object store or "
+                              "NIXL transport",
+    "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
+                                     "not built here",
+    "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
+    "data_source_path": "a custom data-source class is not built here (slime.data.source is the one data source)",
+    "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
+    "start_rollout_id": "the start rollout comes from the checkpoint manifest (--load); overriding it is not built "
+                        "here",
+    "balance_data": "FLOPs balancing across data-parallel ranks is not built here",
+    "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
+    "log_probs_max_tokens_per_gpu": "log-probs use the train micro-batching (--max-tokens-per-gpu); a separate "
+                                    "budget is not built here",
+    "eval_function_path": "a custom eval rollout function is not built here (eval uses slime.rollout.eval)",
+    "eval_tool_key": "tool schemas in eval prompts are not built here",
+    "eval_max_prompt_len": "eval prompt-length filtering is not built here",
+    "eval_min_new_tokens": "a minimum eval response length is not built here",
+    "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
+    "ref_ckpt_step": "the reference model loads the newest committed checkpoint of --ref-load; picking a step is "
+                     "not built here",
+    "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
+                  "manifest)",
+    "num_critic_only_steps": "critic-only warm-up steps are not built here",
+    "megatron_config_path": "per-role Megatron YAML configs are not built here (one megatron: section)",
+    "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
+                                              "loss without them)",
+    "custom_advantage_function_path": "a custom advantage hook is not built here",
+    "use_unbiased_kl": "the importance-weighted (unbiased) KL estimator is not built here",
+    "ref_update_interval": "updating the reference model from the actor is not built here",
+    "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
+    "get_mismatch_metrics": "train/rollout mismatch metrics beyond train/train_rollout_logprob_abs_diff are not "
+                            "built here",
+    "reset_optimizer_states": "resetting optimizer state each rollout is not built here",
+    "use_stateless_adam": "stateless Adam is not built here",
+    "custom_tis_function_path": "a custom TIS/RS weight hook is not built here (--use-tis is built in)",
+    "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer hook is not built here",
+    "use_routing_replay": _NO_MOE,
+    "use_rollout_routing_replay": _NO_MOE,
+    "use_opsm": "off-policy sequence masking (OPSM) is not built here",
+    "opsm_delta": "off-policy sequence masking (OPSM) is not built here",
+    "use_opd": _NO_OPD,
+    "opd_type": _NO_OPD,
+    "opd_kl_coef": _NO_OPD,
+    "opd_teacher_load": _NO_OPD,
+    "opd_teacher_ckpt_step": _NO_OPD,
+    "use_wandb": "W&B logging is not built here",
+    "wandb_mode": "W&B logging is not built here",
+    "wandb_dir": "W&B logging is not built here",
+    "wandb_key": "W&B logging is not built here",
+    "wandb_host": "W&B logging is not built here",
+    "wandb_team": "W&B logging is not built here",
+    "wandb_group": "W&B logging is not built here",
+    "wandb_project": "W&B logging is not built here",
+    "disable_wandb_random_suffix": "W&B logging is not built here",
+    "wandb_always_use_train_step": "W&B logging is not built here",
+    "wandb_run_id": "W&B logging is not built here",
+    "log_multi_turn": "multi-turn rollout statistics are not built here",
+    "log_passrate": "pass-rate logging is not built here",
+    "log_reward_category": "reward-category statistics are not built here",
+    "log_correct_samples": "logging of correct samples is not built here",
+    "tb_project_name": "TensorBoard project naming is not built here (set --tensorboard-dir)",
+    "tb_experiment_name": "TensorBoard experiment naming is not built here (set --tensorboard-dir)",
+    "save_debug_rollout_data": "debug dumps are not built here",
+    "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
+    "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",
+    "save_debug_train_data": "debug dumps are not built here",
+    "dump_details": "detail dumps for post-hoc visualisation are not built here",
+    "memory_snapshot_dir": _NO_PROFILE,
+    "memory_snapshot_num_steps": _NO_PROFILE,
+    "profile_target": _NO_PROFILE,
+    "memory_recorder": _NO_PROFILE,
+    "record_memory_history": _NO_PROFILE,
+    "check_weight_update_equal": "the engine-side weight-equality check is not built here",
+    "http_proxy": "engines and the router are reached on 127.0.0.1 without a proxy",
+    "use_distributed_post": "distributed HTTP posting through Ray is not built here",
+    "eval_reward_key": "a separate eval reward key is not built here (eval uses --reward-key)",
+    "custom_convert_samples_to_train_data_path": "a custom samples-to-train-data hook is not built here",
+    "rollout_buffer_url": _NO_BUFFER,
+    "fetch_trajectory_retry_times": _NO_BUFFER,
+    "min_batch_collection_ratio": _NO_BUFFER,
+    "rollout_task_type": _NO_BUFFER,
+    "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
+                      "template)",
+    "data_pad_size_multiplier": "micro-batches are padded to their longest sample; a pad multiple is not built here",
+    "custom_megatron_init_path": "Megatron initialisation hooks are not built here",
+    "custom_megatron_before_log_prob_hook_path": "Megatron log-prob hooks are not built here",
+    "custom_megatron_before_train_step_hook_path": "Megatron train-step hooks are not built here",
+    "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_moe_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_moe_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
+    "mtp_num_layers": "multi-token prediction (MTP) layers are not built here",
+    "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
+    "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
+    "ci_test": "slime's CI invariant checks are not built here",
+    "ci_disable_kl_checker": "slime's CI invariant checks are not built here",
+    "ci_train_rollout_logprob_abs_diff_threshold": "slime's CI invariant checks are not built here",
+    "ci_save_grad_norm": "saving and comparing grad norms across runs is not built here",
+    "ci_load_grad_norm": "saving and comparing grad norms across runs is not built here",
+    "custom_config_path": "a YAML of extra plugin arguments is not built here",
+    "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
+    "train_backend": "only the Megatron backend exists; the flag is not built here",
+    "debug_rollout_only": "the RL stage always trains; rollouts alone are `slime rejection-sampling` (sample and "
+                          "score into the store) or `slime evaluate`",
+    "debug_train_only": "the RL stage always generates; training alone on stored data is `slime sft`",
+    "load_debug_rollout_data": "replaying dumped rollouts is not built here (rollouts are Arrow shard sets in the "
+                               "store)",
+    "offload": "set --offload-train and --offload-rollout (or --colocate)",
+}
+
+# flag -> how this project does the job (accepted; logged once when set)
+MAPPED: dict[str, str] = {}
+
+# accepted flag -> why its default here is not slime's
+DEFAULTS_DIFFER: dict[str, str] = {
+    "actor_num_gpus_per_node": "1: the embedded default runs on one device (slime: 8)",
+    "input_key": "'prompt': slime's own data format ({\"prompt\": ..., \"label\": ...}) loads unchanged "
+                 "(slime: 'input')",
+    "label_key": "'label': as input_key (slime: None)",
+    "rollout_function_path": "this project's rollout (slime.rollout.generate_rollout) has slime's signature",
+    "disable_rewards_normalization": "a plain flag: slime stores its negation (rewards_normalization)",
+    "disable_grpo_std_normalization": "a plain flag: slime stores its negation (grpo_std_normalization)",
+}
+
+
+def refusal(name: str) -> str | None:
+    """Why the slime flag `name` (field spelling) is refused here; None when it is not."""
+    return REFUSED.get(name)
+
+
+def classify(flag: SlimeFlag) -> tuple[str, str]:
+    """('accepted' | 'mapped' | 'refused', where it lives or why) for one of slime's flags."""
+    from slime.config import FIELD_SECTION, megatron_flag_names  # cyclic: config imports this module
+
+    name = flag.name
+    if name in REFUSED:
+        return "refused", REFUSED[name]
+    if name in MAPPED:
+        return "mapped", MAPPED[name]
+    if name in FIELD_SECTION:
+        return "accepted", f"{FIELD_SECTION[name]}.{name}"
+    if name in megatron_flag_names():
+        return "accepted", f"megatron.{name} (pass-through)"
+    return "unknown", "neither a config field, a Megatron flag nor refused"
+
+
+def flag_table_markdown() -> str:
+    """The slime-flag table of docs/configuration.md: each flag, slime's default, and its state here."""
+    flags = slime_flags()
+    states = [classify(f) for f in flags]
+    counts: dict[str, int] = {}
+    for state, _ in states:
+        counts[state] = counts.get(state, 0) + 1
+    lines = [
+        "## slime's flags",
+        "",
+        f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
+        f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
+        + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
+        "A refused flag stops `load_config` with its reason; a mapped one is logged once.",
+        "",
+        "| flag | slime default | here | where / why |",
+        "|---|---|---|---|",
+    ]
+    for flag, (state, note) in zip(flags, states, strict=True):
+        differs = DEFAULTS_DIFFER.get(flag.name)
+        note = f"{note}; default differs: {differs}" if differs and state != "refused" else note
+        lines.append(f"| `{flag.flag}` | `{flag.default}` | {state} | {note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary() -> dict[str, Any]:
+    """Counts by state (for the docs and the issue note)."""
+    out: dict[str, Any] = {"commit": source_commit(), "total": len(slime_flags())}
+    for flag in slime_flags():
+        state = classify(flag)[0]
+        out[state] = out.get(state, 0) + 1
+    return out
