@@ -21,15 +21,18 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from slime.errors import ConfigError
-from slime.slime_flags import REFUSED
+from slime.slime_flags import MAPPED, REFUSED
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- sections
 
@@ -49,6 +52,28 @@ class RunConfig(_Section):
                                                      "tensorboard package)")
     tensorboard_dir: str | None = Field(None, description="local TensorBoard log dir; None: {store}/{run_id}/rl/"
                                                           "tensorboard (local stores only)")
+    tb_project_name: str | None = Field(None, description="slime's TensorBoard naming: when tensorboard_dir is unset, "
+                                                          "logs go to tensorboard_log/{project}/{experiment}")
+    tb_experiment_name: str | None = Field(None, description="with tb_project_name; None: the run_id (slime: a "
+                                                             "timestamp)")
+    train_backend: Literal["megatron"] = Field("megatron", description="slime's trainer choice; Megatron is the one "
+                                                                       "this project has")
+    custom_config_path: str | None = Field(None, description="YAML of extra attributes plugins find on `args` "
+                                                             "(slime's --custom-config-path); config field names "
+                                                             "are refused")
+    save_debug_rollout_data: str | None = Field(None, description="mapped: every rollout is committed to the store "
+                                                                  "as a shard set; no .pt dump is written")
+    save_debug_train_data: str | None = Field(None, description="mapped: the trainer's input is the committed "
+                                                                "rollout shard set; no .pt dump is written")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_from_tb_names(cls, data: Any) -> Any:
+        """slime's --tb-project-name/--tb-experiment-name give the TensorBoard directory when none is set."""
+        if isinstance(data, dict) and data.get("tb_project_name") and not data.get("tensorboard_dir"):
+            experiment = data.get("tb_experiment_name") or data.get("run_id") or "default"
+            data = {**data, "tensorboard_dir": f"tensorboard_log/{data['tb_project_name']}/{experiment}"}
+        return data
 
 
 class ClusterConfig(_Section):
@@ -60,9 +85,21 @@ class ClusterConfig(_Section):
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     num_gpus_per_node: int = Field(8, ge=1)
     colocate: bool = Field(False, description="train and rollout share GPUs (implies both offloads)")
+    offload: bool = Field(False, description="slime's shorthand: offload_train and offload_rollout both true")
     offload_train: bool | None = Field(None, description="None: same as colocate")
     offload_rollout: bool | None = Field(None, description="None: same as colocate")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _offload_sets_both(cls, data: Any) -> Any:
+        """slime: --offload is --offload-train plus --offload-rollout; an explicit false of either conflicts."""
+        if isinstance(data, dict) and data.get("offload"):
+            off = [n for n in ("offload_train", "offload_rollout") if data.get(n) is False]
+            if off:
+                raise ValueError(f"offload is set but {off[0]} is false: offload means both offloads")
+            data = {**data, "offload_train": True, "offload_rollout": True}
+        return data
 
 
 class CheckpointConfig(_Section):
@@ -123,6 +160,19 @@ class RolloutConfig(_Section):
     buffer_filter_path: str | None = None
     rollout_sample_filter_path: str | None = None
     rollout_all_samples_process_path: str | None = None
+    rollout_sample_hook_path: list[str] = Field(default_factory=list, description="hook(args, sample, *, rollout_id, "
+                                                "evaluation) -> Sample | None on each generated sample before its "
+                                                "reward; sync or async; repeat the flag for several")
+    custom_rollout_log_function_path: str | None = Field(None, description="log(rollout_id, args, samples, "
+                                                         "rollout_extra_metrics, rollout_time) -> bool; true: the "
+                                                         "step's default rollout/* metrics are not logged")
+    custom_eval_rollout_log_function_path: str | None = Field(None, description="log(rollout_id, args, data, "
+                                                              "extra_metrics) -> bool; true: the default eval/* "
+                                                              "metrics are not logged")
+    eval_function_path: str | None = Field(None, description="rollout function for eval, called with evaluation="
+                                                             "True; None: rollout_function_path")
+    rollout_data_transport: Literal["object-store", "nixl"] = Field(
+        "object-store", description="mapped: rollout data reaches the trainer as an Arrow shard set in the store")
 
 
 class RewardConfig(_Section):
@@ -257,6 +307,11 @@ class EvalConfig(_Section):
     eval_max_response_len: int | None = Field(None, ge=1)
     eval_input_key: str | None = None
     eval_label_key: str | None = None
+    eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
+    eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
+                                                          "reward_key")
+    eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
+                                                                    "min_new_tokens)")
     eval_num_engines: int = Field(1, ge=1, description="`slime evaluate`: inference engines started for the eval")
     eval_watch_run: str | None = Field(None, description="`slime evaluate`: evaluate the newest committed "
                                                          "checkpoint of this run (same store) instead of --load; "
@@ -299,6 +354,26 @@ class SyncConfig(_Section):
     weight_sync_mode: Literal["auto", "disk", "tensor", "distributed"] = Field(
         "auto", description="auto: tensor when colocated, distributed otherwise (docs/sync.md)")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="distributed mode: process-group timeout")
+    update_weight_transport: Literal["nccl", "disk"] | None = Field(
+        None, description="slime's carrier flag: nccl is weight_sync_mode distributed, disk is disk; None: "
+                          "weight_sync_mode decides")
+    update_weight_mode: Literal["full", "delta"] = Field("full", description="full: every sync sends every "
+                                                                             "parameter")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_from_transport(cls, data: Any) -> Any:
+        """--update-weight-transport picks weight_sync_mode unless that is set to something else."""
+        transport = data.get("update_weight_transport") if isinstance(data, dict) else None
+        if transport:
+            mode = {"nccl": "distributed", "disk": "disk"}[transport] if transport in ("nccl", "disk") else None
+            given = data.get("weight_sync_mode", "auto")
+            if mode and given not in ("auto", mode):
+                raise ValueError(f"update_weight_transport {transport} means weight_sync_mode {mode}, but "
+                                 f"weight_sync_mode is {given}")
+            if mode:
+                data = {**data, "weight_sync_mode": mode}
+        return data
 
 
 class Config(BaseModel):
@@ -363,6 +438,8 @@ class Config(BaseModel):
         flat.update({f"router_{k}": v for k, v in self.router.items()})
         for key, value in self.megatron.items():
             flat.setdefault(key, value)
+        if self.run.custom_config_path:  # slime sets these on args after parsing
+            flat.update(read_custom_config(self.run.custom_config_path))
         return argparse.Namespace(**flat)
 
 
@@ -634,7 +711,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, where)) from None
     _validate(config, where)
+    _log_mapped(config, where)
     return config
+
+
+def _log_mapped(config: Config, where: dict[str, str]) -> None:
+    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED)."""
+    for name, how in MAPPED.items():
+        section = getattr(config, FIELD_SECTION[name])
+        given = f"{FIELD_SECTION[name]}.{name}" in where
+        if given or getattr(section, name) != type(section).model_fields[name].default:
+            logger.info("--%s: %s", name.replace("_", "-"), how)
+
+
+def read_custom_config(path: str) -> dict[str, Any]:
+    """The attributes a --custom-config-path YAML adds to plugins' `args`; config field names are refused
+    (set those as flags: they are validated)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"custom_config_path {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"custom_config_path {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"custom_config_path {path}: expected a mapping of names to values, got "
+                          f"{type(data).__name__}")
+    typed = sorted(set(data) & set(FIELD_SECTION))
+    if typed:
+        raise ConfigError(f"custom_config_path {path}: {typed[0]!r} is a config field: set it as "
+                          f"--{typed[0].replace('_', '-')} (or {FIELD_SECTION[typed[0]]}.{typed[0]}), where it "
+                          "is validated")
+    return data
 
 
 def _format_validation_error(exc: ValidationError, where: dict[str, str]) -> str:
@@ -728,6 +836,16 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    if config.sync.update_weight_mode == "delta":
+        fail("sync.update_weight_mode", "delta weight sync is not built here; use full")
+    if config.rollout.rollout_data_transport == "nixl":
+        fail("rollout.rollout_data_transport", "NIXL is not built here: rollout data reaches the trainer as an "
+             "Arrow shard set in the store (object-store)")
+    if config.run.custom_config_path:
+        try:
+            read_custom_config(config.run.custom_config_path)
+        except ConfigError as exc:
+            fail("run.custom_config_path", str(exc))
     refused = sorted(set(config.megatron) & REFUSED.keys())
     if refused:  # one of slime's own flags this project does not do: say why rather than pass it on
         name = refused[0]

@@ -73,8 +73,6 @@ REFUSED: dict[str, str] = {
                                    "group's is --weight-sync-timeout-s)",
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
     "train_env_vars": "train actors take no extra environment; set variables in the environment that starts Ray",
-    "update_weight_mode": "delta weight sync is not built here; every sync sends the full weights",
-    "update_weight_transport": "set the sync carrier with --weight-sync-mode (disk, tensor, distributed)",
     "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
     "update_weight_disk_keep_files": "disk sync keeps only the newest weights directory; keeping every one is "
                                      "not built here",
@@ -92,13 +90,8 @@ REFUSED: dict[str, str] = {
     "freeze_params_name_list": "partial-parameter training is not built here: every parameter trains",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
-    "rollout_sample_hook_path": "per-sample rollout hooks are not built here",
-    "custom_rollout_log_function_path": "custom rollout logging is not built here",
-    "custom_eval_rollout_log_function_path": "custom eval logging is not built here",
     "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
     "rollout_data_postprocess_path": "the trainer's rollout-data post-process hook is not built here",
-    "rollout_data_transport": "rollout data travels as Arrow shards in the artifact store; no Ray object store or "
-                              "NIXL transport",
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
                                      "not built here",
     "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
@@ -110,10 +103,7 @@ REFUSED: dict[str, str] = {
     "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
     "log_probs_max_tokens_per_gpu": "log-probs use the train micro-batching (--max-tokens-per-gpu); a separate "
                                     "budget is not built here",
-    "eval_function_path": "a custom eval rollout function is not built here (eval uses slime.rollout.eval)",
-    "eval_tool_key": "tool schemas in eval prompts are not built here",
     "eval_max_prompt_len": "eval prompt-length filtering is not built here",
-    "eval_min_new_tokens": "a minimum eval response length is not built here",
     "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
     "ref_ckpt_step": "the reference model loads the newest committed checkpoint of --ref-load; picking a step is "
                      "not built here",
@@ -157,12 +147,8 @@ REFUSED: dict[str, str] = {
     "log_passrate": "pass-rate logging is not built here",
     "log_reward_category": "reward-category statistics are not built here",
     "log_correct_samples": "logging of correct samples is not built here",
-    "tb_project_name": "TensorBoard project naming is not built here (set --tensorboard-dir)",
-    "tb_experiment_name": "TensorBoard experiment naming is not built here (set --tensorboard-dir)",
-    "save_debug_rollout_data": "debug dumps are not built here",
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",
-    "save_debug_train_data": "debug dumps are not built here",
     "dump_details": "detail dumps for post-hoc visualisation are not built here",
     "memory_snapshot_dir": _NO_PROFILE,
     "memory_snapshot_num_steps": _NO_PROFILE,
@@ -172,7 +158,6 @@ REFUSED: dict[str, str] = {
     "check_weight_update_equal": "the engine-side weight-equality check is not built here",
     "http_proxy": "engines and the router are reached on 127.0.0.1 without a proxy",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
-    "eval_reward_key": "a separate eval reward key is not built here (eval uses --reward-key)",
     "custom_convert_samples_to_train_data_path": "a custom samples-to-train-data hook is not built here",
     "rollout_buffer_url": _NO_BUFFER,
     "fetch_trajectory_retry_times": _NO_BUFFER,
@@ -196,19 +181,24 @@ REFUSED: dict[str, str] = {
     "ci_train_rollout_logprob_abs_diff_threshold": "slime's CI invariant checks are not built here",
     "ci_save_grad_norm": "saving and comparing grad norms across runs is not built here",
     "ci_load_grad_norm": "saving and comparing grad norms across runs is not built here",
-    "custom_config_path": "a YAML of extra plugin arguments is not built here",
     "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
-    "train_backend": "only the Megatron backend exists; the flag is not built here",
     "debug_rollout_only": "the RL stage always trains; rollouts alone are `slime rejection-sampling` (sample and "
                           "score into the store) or `slime evaluate`",
     "debug_train_only": "the RL stage always generates; training alone on stored data is `slime sft`",
     "load_debug_rollout_data": "replaying dumped rollouts is not built here (rollouts are Arrow shard sets in the "
                                "store)",
-    "offload": "set --offload-train and --offload-rollout (or --colocate)",
 }
 
 # flag -> how this project does the job (accepted; logged once when set)
-MAPPED: dict[str, str] = {}
+MAPPED: dict[str, str] = {
+    "save_debug_rollout_data": "every rollout is committed to the store as an Arrow shard set "
+                               "({store}/{run_id}/rollout/NNNNNN, read with `slime shards inspect`); no .pt dump "
+                               "is written",
+    "save_debug_train_data": "the trainer's input is the committed rollout shard set, kept in the store; the "
+                             "trainer's per-step tensors are recomputed from it; no .pt dump is written",
+    "rollout_data_transport": "rollout data reaches the trainer as an Arrow shard set in the store, not through "
+                              "Ray's object store",
+}
 
 # accepted flag -> why its default here is not slime's
 DEFAULTS_DIFFER: dict[str, str] = {
@@ -219,6 +209,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "rollout_function_path": "this project's rollout (slime.rollout.generate_rollout) has slime's signature",
     "disable_rewards_normalization": "a plain flag: slime stores its negation (rewards_normalization)",
     "disable_grpo_std_normalization": "a plain flag: slime stores its negation (grpo_std_normalization)",
+    "update_weight_transport": "None: --weight-sync-mode auto picks (tensor when colocated, distributed "
+                               "otherwise); slime: nccl",
 }
 
 

@@ -51,7 +51,7 @@ def example_args(flag: SlimeFlag) -> list[str]:
     elif flag.type == "bool":
         values = []
     elif flag.choices:
-        values = [flag.choices.split(",")[-1]]
+        values = [flag.choices.split(",")[0]]
     elif flag.type == "int":
         values = ["2"]
     elif flag.type == "float":
@@ -118,8 +118,11 @@ def _slime_default(flag: SlimeFlag) -> Any:
 
 
 @pytest.mark.parametrize("flag", [f for f in FLAGS if f.name not in REFUSED], ids=lambda f: f.flag)
-def test_accepted_flag_sets_its_field_with_slimes_type_and_default(flag):
+def test_accepted_flag_sets_its_field_with_slimes_type_and_default(flag, tmp_path):
     args = example_args(flag)
+    if flag.flag == "--custom-config-path":  # must name a YAML file
+        (tmp_path / "custom.yaml").write_text("my_threshold: 3\n")
+        args = [flag.flag, str(tmp_path / "custom.yaml")]
     config = load_config(None, args)
     name = flag.name
     if name not in FIELD_SECTION:  # a Megatron flag slime re-declares: the pass-through takes it
@@ -166,3 +169,63 @@ def test_flag_table_lists_every_flag_with_its_state():
     for flag in FLAGS:
         assert f"| `{flag.flag}` |" in table
     assert f"{counts['accepted']} accepted" in table
+
+
+# ----------------------------------------------------------------------------- what accepted flags do
+
+
+def test_offload_is_both_offloads():
+    c = load_config(None, ["--offload"]).cluster
+    assert c.offload_train is True and c.offload_rollout is True
+    assert load_config(None, []).cluster.offload_train is None
+    with pytest.raises(ConfigError, match="offload_train is false"):
+        load_config(None, ["--offload", "--offload-train", "false"])
+
+
+def test_tb_names_give_slimes_tensorboard_dir():
+    run = load_config(None, ["--tb-project-name", "proj", "--tb-experiment-name", "exp"]).run
+    assert run.tensorboard_dir == "tensorboard_log/proj/exp"
+    assert load_config(None, ["--tb-project-name", "proj", "--run-id", "r1"]).run.tensorboard_dir == \
+        "tensorboard_log/proj/r1"
+    given = load_config(None, ["--tb-project-name", "proj", "--tensorboard-dir", "/tmp/tb"]).run
+    assert given.tensorboard_dir == "/tmp/tb"  # an explicit directory wins
+
+
+def test_update_weight_transport_picks_the_sync_mode():
+    assert load_config(None, ["--update-weight-transport", "disk"]).sync.weight_sync_mode == "disk"
+    assert load_config(None, ["--update-weight-transport", "nccl"]).sync.weight_sync_mode == "distributed"
+    with pytest.raises(ConfigError, match="means weight_sync_mode distributed"):
+        load_config(None, ["--update-weight-transport", "nccl", "--weight-sync-mode", "disk"])
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--update-weight-mode", "delta"], "delta weight sync is not built here"),
+    (["--rollout-data-transport", "nixl"], "NIXL is not built here"),
+])
+def test_values_not_built_are_refused_with_a_reason(args, reason):
+    with pytest.raises(ConfigError, match=f"{args[0]}: .*{reason}"):
+        load_config(None, args)
+
+
+def test_custom_config_attributes_reach_plugin_args(tmp_path):
+    path = tmp_path / "custom.yaml"
+    path.write_text("my_threshold: 0.3\nmy_tags: [a, b]\n")
+    args = load_config(None, ["--custom-config-path", str(path)]).as_namespace()
+    assert args.my_threshold == 0.3 and args.my_tags == ["a", "b"]
+    path.write_text("rollout_batch_size: 8\n")
+    with pytest.raises(ConfigError, match=r"--custom-config-path: .*'rollout_batch_size' is a config field: set it "
+                                          r"as --rollout-batch-size"):
+        load_config(None, ["--custom-config-path", str(path)])
+    path.write_text("- a\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(None, ["--custom-config-path", str(path)])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(None, ["--custom-config-path", str(tmp_path / "missing.yaml")])
+
+
+def test_eval_min_new_tokens_is_an_eval_sampling_param():
+    from slime.rollout.generate import sampling_params_from_args
+
+    args = load_config(None, ["--eval-min-new-tokens", "3"]).as_namespace()
+    assert sampling_params_from_args(args, evaluation=True)["min_new_tokens"] == 3
+    assert "min_new_tokens" not in sampling_params_from_args(args)

@@ -119,7 +119,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         raise RolloutEngineError(f"cannot list the workers of router {url}: {e}") from e
     if not urls:
         raise RolloutEngineError(f"router {url} has no worker registered")
-    state = GenerateState(args, plugins, len(urls))
+    state = GenerateState(args, plugins, len(urls), rollout_id=rollout_id)
     params = sampling_params_from_args(args)
     partial = bool(getattr(args, "partial_rollout", False))
     max_failed_in_a_row = max(target, over)

@@ -7,3 +7,51 @@ async def rm_by_index(args, sample: Sample) -> float:
     """Rewards 0 and 1 alternating within every group: GRPO advantages are non-zero whatever the
     random tiny model writes."""
     return float(sample.index % 2)
+
+
+# ----------------------------------------------------------------------------- slime's rollout-side hooks
+# Each written to the signature slime calls it with (slime/rollout/sample_hooks.py,
+# slime/observability/rollout_metrics.py, slime/ray/rollout.py); CALLS records what they were given.
+
+CALLS: dict[str, list] = {"rollout_log": [], "eval_log": [], "eval_fn": []}
+
+
+def tag_sample(args, sample: Sample, *, rollout_id=None, evaluation=False):
+    """--rollout-sample-hook-path, sync, keyword arguments named: returns None (keeps the sample)."""
+    sample.metadata.setdefault("hooks", []).append(["tag", rollout_id, evaluation])
+
+
+async def count_hooks(args, sample: Sample, **kwargs) -> Sample:
+    """--rollout-sample-hook-path, async, **kwargs: runs second, returns the sample."""
+    sample.metadata["hooks"].append(["count", kwargs["rollout_id"], kwargs["evaluation"]])
+    return sample
+
+
+async def rm_hook_count(args, sample: Sample) -> float:
+    """The reward is the number of hooks that ran on the sample: 2.0 when both ran before it."""
+    return float(len(sample.metadata.get("hooks", [])))
+
+
+def log_rollout_data(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    """--custom-rollout-log-function-path: records, and takes over the logging (True)."""
+    CALLS["rollout_log"].append({"rollout_id": rollout_id, "samples": len(samples), "rewards":
+                                 [s.reward for s in samples], "reward_mean": rollout_extra_metrics.get(
+                                     "rollout/reward/mean"), "rollout_time": rollout_time,
+                                 "custom": getattr(args, "my_custom_setting", None)})
+    return True
+
+
+def log_eval_rollout_data(rollout_id, args, data, extra_metrics) -> bool:
+    """--custom-eval-rollout-log-function-path: records, leaves the default logging on (False)."""
+    CALLS["eval_log"].append({"rollout_id": rollout_id, "rewards": {k: v["rewards"] for k, v in data.items()},
+                              "hooks": [s.metadata["hooks"] for v in data.values() for s in v["samples"]],
+                              "metric_keys": sorted(extra_metrics)})
+    return False
+
+
+def eval_rollout_fn(args, rollout_id, data_source, evaluation=False):
+    """--eval-function-path: slime's rollout-function signature; delegates to the default rollout."""
+    from slime.rollout import generate_rollout
+
+    CALLS["eval_fn"].append({"rollout_id": rollout_id, "evaluation": evaluation})
+    return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
