@@ -65,6 +65,15 @@ class RunConfig(_Section):
                                                                   "as a shard set; no .pt dump is written")
     save_debug_train_data: str | None = Field(None, description="mapped: the trainer's input is the committed "
                                                                 "rollout shard set; no .pt dump is written")
+    ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
+                                             " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
+    ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")
+    ci_train_rollout_logprob_abs_diff_threshold: float = Field(
+        0.1, ge=0, description="ci_test: bound on train/train_rollout_logprob_abs_diff")
+    ci_save_grad_norm: str | None = Field(None, description="save each step's grad norm to this path template "
+                                                            "({role}, {rollout_id}, {step_id}), JSON")
+    ci_load_grad_norm: str | None = Field(None, description="compare each step's grad norm with the one saved at "
+                                                            "this template (tolerance 0.01)")
 
     @model_validator(mode="before")
     @classmethod
@@ -836,6 +845,8 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
+        fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
     if config.sync.update_weight_mode == "delta":
         fail("sync.update_weight_mode", "delta weight sync is not built here; use full")
     if config.rollout.rollout_data_transport == "nixl":

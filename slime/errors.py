@@ -61,3 +61,8 @@ class EngineHTTPError(EngineError):
 
     def __reduce__(self):  # keep the attributes across pickling (Ray, Prefect, multiprocessing)
         return (type(self), self.args, self.__dict__)
+
+
+class InvariantError(SlimeError, RuntimeError):
+    """A `--ci-test` invariant of a run does not hold (e.g. trainer and engine log-probs disagree); the
+    message names the check, the rollout and step, the value and its bound."""

@@ -176,11 +176,6 @@ REFUSED: dict[str, str] = {
     "mtp_num_layers": "multi-token prediction (MTP) layers are not built here",
     "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
     "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
-    "ci_test": "slime's CI invariant checks are not built here",
-    "ci_disable_kl_checker": "slime's CI invariant checks are not built here",
-    "ci_train_rollout_logprob_abs_diff_threshold": "slime's CI invariant checks are not built here",
-    "ci_save_grad_norm": "saving and comparing grad norms across runs is not built here",
-    "ci_load_grad_norm": "saving and comparing grad norms across runs is not built here",
     "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
     "debug_rollout_only": "the RL stage always trains; rollouts alone are `slime rejection-sampling` (sample and "
                           "score into the store) or `slime evaluate`",

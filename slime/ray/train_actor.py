@@ -213,6 +213,7 @@ class TrainActor:
         t3 = time.monotonic()
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         metrics.update(stats)
+        self._ci_checks(rollout_id, rows, metrics)
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
                         "rollout/raw_reward": sum(raw) / len(raw),
                         "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
@@ -220,6 +221,23 @@ class TrainActor:
         logger.info("rank %d rollout %d: %d steps, loss %.4f, grad_norm %.4f, %.2f s", self.rank, rollout_id,
                     steps, metrics.get("train/loss", math.nan), metrics.get("train/grad_norm", math.nan), t3 - t0)
         return metrics
+
+    def _ci_checks(self, rollout_id: int, rows: list[dict[str, float]], metrics: dict[str, float]) -> None:
+        """slime's --ci-test invariants and grad-norm save/compare (slime.rl.ci); raise InvariantError."""
+        from slime.rl.ci import check_ci, check_grad_norms, save_grad_norms
+
+        run = self.config.run
+        if run.ci_test:
+            first = rows[0] if rows else {}
+            check_ci(self.config.as_namespace(), rollout_id, first, metrics)
+            logger.info("rank %d rollout %d: --ci-test invariants hold (logprob gap %.3g, first-step ppo_kl %.3g)",
+                        self.rank, rollout_id, metrics.get("train/train_rollout_logprob_abs_diff", math.nan),
+                        first.get("ppo_kl", math.nan))
+        grad_norms = [row["grad_norm"] for row in rows]
+        if run.ci_save_grad_norm and self.rank == 0:
+            save_grad_norms(run.ci_save_grad_norm, rollout_id, grad_norms)
+        elif run.ci_load_grad_norm:
+            check_grad_norms(run.ci_load_grad_norm, rollout_id, grad_norms)
 
     def _rewards(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
         """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
