@@ -65,6 +65,22 @@ class RunConfig(_Section):
                                                                   "as a shard set; no .pt dump is written")
     save_debug_train_data: str | None = Field(None, description="mapped: the trainer's input is the committed "
                                                                 "rollout shard set; no .pt dump is written")
+    use_wandb: bool = Field(False, description="`slime rl`: also log step metrics to W&B with slime's names and "
+                                               "step axes (slime/rl/tracking.py; needs the wandb package)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="None: wandb's default (WANDB_MODE, else online); offline writes {wandb_dir}/wandb/")
+    wandb_dir: str | None = Field(None, description="where W&B writes its files; None: ./wandb")
+    wandb_key: str | None = Field(None, exclude=True, description="W&B API key for online mode (never stored "
+                                                                  "with the config)")
+    wandb_host: str | None = Field(None, description="W&B server URL for the login")
+    wandb_team: str | None = Field(None, description="W&B entity")
+    wandb_group: str | None = Field(None, description="W&B group; None: the run_id; a random suffix is added")
+    wandb_project: str | None = None
+    disable_wandb_random_suffix: bool = Field(False, description="W&B group and run name without slime's random "
+                                                                 "6-character suffix")
+    wandb_always_use_train_step: bool = Field(False, description="W&B: every metric against train/step (default: "
+                                                                 "rollout/step except train/*)")
+    wandb_run_id: str | None = Field(None, description="continue this W&B run (resume 'allow')")
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
                                              " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
     ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")

@@ -32,6 +32,7 @@ from slime.config import Config
 from slime.errors import ConfigError
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
+from slime.rl.tracking import WandbLogger, check_wandb
 from slime.signals import keep_sigterm_handler, unwrap_signal_errors
 from slime.storage import ArtifactStore
 from slime.storage.fs import is_local, open_fs
@@ -70,6 +71,7 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
                           "false (engines cannot release their memory during a rollout)")
     check_tensorboard(config.run.use_tensorboard)
+    check_wandb(config)
     if config.run.use_tensorboard and not config.run.tensorboard_dir:
         store = ArtifactStore.from_config(config)
         if not is_local(open_fs(store.root, store.storage_options)[0]):
@@ -164,7 +166,8 @@ class RLLoop:
         if c.run.use_tensorboard:
             tensorboard = c.run.tensorboard_dir or open_fs(
                 self.store.uri(c.run.run_id, STAGE, "tensorboard"), self.store.storage_options)[1]
-        self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard)
+        self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard,
+                                      WandbLogger(c) if c.run.use_wandb else None)
         if tail is not None:
             self._finish_step(tail, extra.get("step_record"), sync)
         result = {"start_rollout_id": self.start_rollout_id, "num_rollout": self.num_rollout,
