@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from slime.errors import ConfigError
-from slime.slime_flags import MAPPED, REFUSED
+from slime.slime_flags import MAPPED, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class RolloutConfig(_Section):
     rollout_sample_filter_path: str | None = None
     rollout_all_samples_process_path: str | None = None
     rollout_sample_hook_path: list[str] = Field(default_factory=list, description="hook(args, sample, *, rollout_id, "
-                                                "evaluation) -> Sample | None on each generated sample before its "
+                                                "evaluation) -> Sample or None on each generated sample before its "
                                                 "reward; sync or async; repeat the flag for several")
     custom_rollout_log_function_path: str | None = Field(None, description="log(rollout_id, args, samples, "
                                                          "rollout_extra_metrics, rollout_time) -> bool; true: the "
@@ -519,6 +519,7 @@ def reference_markdown() -> str:
         "(checked against megatron-core's `TransformerConfig`, `OptimizerConfig`, "
         "`DistributedDataParallelConfig` and the scheduler flags) |",
         "",
+        flag_table_markdown(),
     ]
     return "\n".join(lines)
 

@@ -235,13 +235,15 @@ def flag_table_markdown() -> str:
         + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
         "A refused flag stops `load_config` with its reason; a mapped one is logged once.",
         "",
-        "| flag | slime default | here | where / why |",
-        "|---|---|---|---|",
+        "| flag | slime's type, default | slime's meaning | here | where / why |",
+        "|---|---|---|---|---|",
     ]
     for flag, (state, note) in zip(flags, states, strict=True):
         differs = DEFAULTS_DIFFER.get(flag.name)
         note = f"{note}; default differs: {differs}" if differs and state != "refused" else note
-        lines.append(f"| `{flag.flag}` | `{flag.default}` | {state} | {note.replace('|', '/')} |")
+        meaning = flag.help if len(flag.help) <= 120 else flag.help[:117].rstrip() + "..."
+        lines.append(f"| `{flag.flag}` | {flag.type}, `{flag.default}` | {meaning.replace('|', '/')} | {state} | "
+                     f"{note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
