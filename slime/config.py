@@ -268,6 +268,14 @@ class TrainConfig(_Section):
     lr_warmup_init: float = Field(0.0, ge=0, description="learning rate of the first warmup step")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data-parallel ranks "
                                                                "(megatron DistributedOptimizer)")
+    log_probs_max_tokens_per_gpu: int | None = Field(None, ge=1, description="dynamic batch size of the log-prob "
+                                                     "passes (no backward: may be larger); None: max_tokens_per_gpu")
+    custom_megatron_init_path: str | None = Field(None, description="init(args), after Megatron's process groups "
+                                                                    "(slime/backends/megatron/hooks.py)")
+    custom_megatron_before_log_prob_hook_path: str | None = Field(
+        None, description="hook(args, model, store_prefix) before each log-prob pass ('' actor, 'ref_' reference)")
+    custom_megatron_before_train_step_hook_path: str | None = Field(
+        None, description="hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each step")
 
 
 class SftConfig(_Section):

@@ -101,8 +101,6 @@ REFUSED: dict[str, str] = {
                         "here",
     "balance_data": "FLOPs balancing across data-parallel ranks is not built here",
     "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
-    "log_probs_max_tokens_per_gpu": "log-probs use the train micro-batching (--max-tokens-per-gpu); a separate "
-                                    "budget is not built here",
     "eval_max_prompt_len": "eval prompt-length filtering is not built here",
     "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
     "ref_ckpt_step": "the reference model loads the newest committed checkpoint of --ref-load; picking a step is "
@@ -155,9 +153,6 @@ REFUSED: dict[str, str] = {
     "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
                       "template)",
     "data_pad_size_multiplier": "micro-batches are padded to their longest sample; a pad multiple is not built here",
-    "custom_megatron_init_path": "Megatron initialisation hooks are not built here",
-    "custom_megatron_before_log_prob_hook_path": "Megatron log-prob hooks are not built here",
-    "custom_megatron_before_train_step_hook_path": "Megatron train-step hooks are not built here",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_moe_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",

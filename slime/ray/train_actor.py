@@ -88,6 +88,7 @@ class TrainActor:
         self.loaded_extra_state: dict[str, Any] = {}
         self.offloaded = False
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
+        self.hooks: Any = None  # slime.backends.megatron.hooks.MegatronHooks, loaded by init
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -104,6 +105,7 @@ class TrainActor:
         from transformers import AutoTokenizer
 
         from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+        from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.convert import megatron_dtype
 
@@ -115,7 +117,10 @@ class TrainActor:
         if c.algorithm.loss_type != "policy_loss":
             raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
                               "policy_loss only")
+        self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
         init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method)
+        if self.hooks.init is not None:
+            self.hooks.init(c.as_namespace())
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.bridge = make_bridge(hf_dir, megatron_dtype(c))
@@ -204,9 +209,12 @@ class TrainActor:
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
-        for share in shares:
+        for step_id, share in enumerate(shares):
             part = _slice_arrays(arrays, start, start + len(share))
             start += len(share)
+            if self.hooks.before_train_step is not None:
+                self.hooks.before_train_step(c.as_namespace(), rollout_id, step_id, self.models, self.optimizer,
+                                             self.scheduler)
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
@@ -274,9 +282,16 @@ class TrainActor:
         c, a, t = self.config, self.config.algorithm, self.config.train
         batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
-                        max_tokens_per_gpu=t.max_tokens_per_gpu, pad_token_id=self.tokenizer.pad_token_id or 0)
+                        max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
+                        pad_token_id=self.tokenizer.pad_token_id or 0)
+        if self.hooks.before_log_prob is not None:
+            self.hooks.before_log_prob(c.as_namespace(), self.models, "")
         old = compute_log_probs(self.models, mine, **batching).log_probs
-        ref = compute_log_probs(self.ref_models, mine, **batching).log_probs if self.ref_models else None
+        ref = None
+        if self.ref_models:
+            if self.hooks.before_log_prob is not None:
+                self.hooks.before_log_prob(c.as_namespace(), self.ref_models, "ref_")
+            ref = compute_log_probs(self.ref_models, mine, **batching).log_probs
         old_padded, mask = stack_rows(mine, old)
         # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens
         sums = torch.zeros(6, dtype=torch.float64)

@@ -29,7 +29,7 @@ from typing import Any
 
 from slime.data.source import BUFFER_FILTER_PARAMS
 from slime.errors import ConfigError
-from slime.plugins import PluginError, check_signature, load_function
+from slime.plugins import PluginError, check_signature, load_function, load_plugin_field
 from slime.rollout.filters import FILTER_PARAMS
 from slime.rollout.generate import generate as default_generate
 from slime.rollout.generate import tokenizer_of
@@ -45,16 +45,7 @@ ROLLOUT_LOG_PARAMS = ["rollout_id", "args", "samples", "rollout_extra_metrics", 
 EVAL_LOG_PARAMS = ["rollout_id", "args", "data", "extra_metrics"]
 
 
-def _load(args: Any, field: str, params: list[str], *, is_async: bool) -> Callable[..., Any] | None:
-    path = getattr(args, field, None)
-    if not path:
-        return None
-    try:
-        fn = load_function(path)
-        check_signature(fn, path, params, is_async=is_async)
-    except PluginError as e:
-        raise PluginError(f"{field} (--{field.replace('_', '-')}): {e}") from e
-    return fn
+_load = load_plugin_field
 
 
 def load_rollout_function(args: Any) -> Callable[..., Any]:

@@ -55,3 +55,30 @@ def eval_rollout_fn(args, rollout_id, data_source, evaluation=False):
 
     CALLS["eval_fn"].append({"rollout_id": rollout_id, "evaluation": evaluation})
     return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
+
+
+# ----------------------------------------------------------------------------- slime's Megatron hooks
+# Written to slime's signatures (slime/backends/megatron_utils/initialize.py and model.py); each appends
+# what it was given to the JSON-lines file `args.hook_log` (an attribute from --custom-config-path).
+
+
+def _record(args, entry: dict) -> None:
+    import json
+
+    with open(args.hook_log, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def megatron_init(args) -> None:
+    import torch.distributed as dist
+
+    _record(args, {"hook": "init", "dist_initialized": dist.is_initialized(), "seed": args.seed})
+
+
+def before_log_prob(args, model, store_prefix) -> None:
+    _record(args, {"hook": "log_prob", "store_prefix": store_prefix, "chunks": len(model)})
+
+
+def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
+    _record(args, {"hook": "train_step", "rollout_id": rollout_id, "step_id": step_id, "chunks": len(model),
+                   "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": opt_param_scheduler.num_steps})
