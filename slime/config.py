@@ -392,6 +392,11 @@ class SyncConfig(_Section):
                           "weight_sync_mode decides")
     update_weight_mode: Literal["full", "delta"] = Field("full", description="full: every sync sends every "
                                                                              "parameter")
+    update_weight_disk_keep_files: bool = Field(False, description="disk mode: keep every weight_version_* "
+                                                                   "directory (default: only the newest)")
+    custom_update_weight_post_write_path: str | None = Field(
+        None, description="disk mode: hook(args, version_dir, rollout_engines) after the files are written, before "
+                          "engines read them; rollout_engines are the engine URLs")
 
     @model_validator(mode="before")
     @classmethod
@@ -872,6 +877,11 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
         fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
+    s = config.sync
+    for name in ("update_weight_disk_keep_files", "custom_update_weight_post_write_path"):
+        if getattr(s, name) and s.weight_sync_mode != "disk":
+            fail(f"sync.{name}", f"applies to disk weight sync: set weight_sync_mode disk (or "
+                 f"--update-weight-transport disk); it is {s.weight_sync_mode}")
     if config.sync.update_weight_mode == "delta":
         fail("sync.update_weight_mode", "delta weight sync is not built here; use full")
     if config.rollout.rollout_data_transport == "nixl":

@@ -33,6 +33,8 @@ COMPANIONS: dict[str, list[str]] = {
     "--kl-loss-coef": ["--use-kl-loss"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "1024"],
     "--rollout-max-prompt-len": ["--hf-checkpoint", "/tmp/hf"],
+    "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
+    "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {

@@ -385,10 +385,12 @@ class TrainActor:
             import ray
 
             from slime.sync import WeightSyncer
+            from slime.sync.disk import post_write_hook
 
             self.syncer = WeightSyncer(self.config.sync, colocated=self.config.cluster.colocate,
                                        hf_config=self.bridge.hf_config,
-                                       master_address=ray.util.get_node_ip_address())
+                                       master_address=ray.util.get_node_ip_address(),
+                                       post_write=post_write_hook(self.config.as_namespace()))
         result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
         return {**result.metrics(), "sync/weight_version": result.weight_version}
 
