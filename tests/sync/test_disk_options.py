@@ -28,6 +28,7 @@ def publish(args, version_dir, rollout_engines):
                   "engines": list(rollout_engines), "served": served, "tag": args.my_tag})
 
 
+@pytest.mark.slow  # two engines start: ~35 s
 def test_keep_files_and_post_write_hook(cluster, tiny_kit, tmp_path):
     _, urls = cluster
     (tmp_path / "custom.yaml").write_text("my_tag: published\n")
