@@ -81,6 +81,10 @@ class RunConfig(_Section):
     wandb_always_use_train_step: bool = Field(False, description="W&B: every metric against train/step (default: "
                                                                  "rollout/step except train/*)")
     wandb_run_id: str | None = Field(None, description="continue this W&B run (resume 'allow')")
+    log_passrate: bool = Field(False, description="log passrate/pass@k (k = 1, 2, 4 ... group size) of every "
+                                                  "rollout, reward 1 counting as correct")
+    log_reward_category: str | None = Field(None, description="log error_cat/<value>: the share of samples whose dict "
+                                                              "reward has each value under this key")
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
                                              " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
     ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")

@@ -39,7 +39,7 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, EngineError
-from slime.rollout.eval import eval_rollout
+from slime.rollout.eval import eval_rollout, pass_at_k
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
 from slime.rollout.hooks import check_rollout_plugins
@@ -96,7 +96,32 @@ def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: 
     metrics["rollout/samples/aborted"] = counts["aborted_samples"]
     for reason, n in reasons.items():
         metrics[f"rollout/dynamic_filter/drop_{reason}"] = n
+    if getattr(args, "log_passrate", False):
+        metrics.update(passrate_metrics(args, kept))
+    if getattr(args, "log_reward_category", None):
+        metrics.update(reward_category_metrics(samples, args.log_reward_category))
     return metrics
+
+
+def passrate_metrics(args: Any, kept: list[list[Any]]) -> dict[str, float]:
+    """slime's --log-passrate: `passrate/pass@k` for k = 1, 2, 4, ... up to the group size, a sample
+    counting as correct when its reward is 1 (unbiased estimator, averaged over groups)."""
+    per_group = [rewards for g in kept if (rewards := _reward_value(args, g))]
+    size = min((len(r) for r in per_group), default=1)
+    out: dict[str, float] = {}
+    k = 1
+    while k <= size and size > 1:
+        out[f"passrate/pass@{k}"] = statistics.fmean(
+            pass_at_k(len(r), sum(1 for v in r if v == 1), k) for r in per_group)
+        k *= 2
+    return out
+
+
+def reward_category_metrics(samples: list[Sample], key: str) -> dict[str, float]:
+    """slime's --log-reward-category: `error_cat/<category>`, the share of samples whose dict reward has
+    that value under `key`."""
+    categories = Counter(str(s.reward[key]) for s in samples if isinstance(s.reward, dict) and key in s.reward)
+    return {f"error_cat/{category}": n / max(1, len(samples)) for category, n in categories.items()}
 
 
 async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> RolloutFnTrainOutput:

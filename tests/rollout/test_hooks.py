@@ -63,3 +63,4 @@ def test_eval_function_defaults_to_the_rollout_function():
 
     assert load_eval_function(_args()) is generate_rollout
     assert load_log_functions(_args()) == (None, None)
+
