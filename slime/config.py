@@ -395,7 +395,15 @@ class SyncConfig(_Section):
         None, description="slime's carrier flag: nccl is weight_sync_mode distributed, disk is disk; None: "
                           "weight_sync_mode decides")
     update_weight_mode: Literal["full", "delta"] = Field("full", description="full: every sync sends every "
-                                                                             "parameter")
+                                                                             "parameter; delta (disk mode): only the "
+                                                                             "changed bytes (slime/sync/delta.py)")
+    update_weight_delta_encoding: Literal["xor", "overwrite"] = Field(
+        "xor", description="delta: xor (new ^ old, apply once) or overwrite (changed positions and values)")
+    update_weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = Field(
+        "xxh3-128", description="delta: per-tensor checksum of the new bytes, checked when applied")
+    update_weight_local_checkpoint_dir: str | None = Field(
+        None, description="delta: the full HF checkpoint the deltas patch and the engines reload (same file system "
+                          "as trainer rank 0 here)")
     update_weight_disk_keep_files: bool = Field(False, description="disk mode: keep every weight_version_* "
                                                                    "directory (default: only the newest)")
     custom_update_weight_post_write_path: str | None = Field(
@@ -886,8 +894,15 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if getattr(s, name) and s.weight_sync_mode != "disk":
             fail(f"sync.{name}", f"applies to disk weight sync: set weight_sync_mode disk (or "
                  f"--update-weight-transport disk); it is {s.weight_sync_mode}")
-    if config.sync.update_weight_mode == "delta":
-        fail("sync.update_weight_mode", "delta weight sync is not built here; use full")
+    if s.update_weight_mode == "delta":
+        if s.weight_sync_mode != "disk":
+            fail("sync.update_weight_mode", f"delta sync is disk only (as in slime): set weight_sync_mode disk (or "
+                 f"--update-weight-transport disk); it is {s.weight_sync_mode}")
+        if not s.update_weight_local_checkpoint_dir:
+            fail("sync.update_weight_mode", "delta sync needs update_weight_local_checkpoint_dir (the checkpoint the "
+                 "deltas patch)")
+    elif s.update_weight_local_checkpoint_dir:
+        fail("sync.update_weight_local_checkpoint_dir", "only used by delta sync (--update-weight-mode delta)")
     if config.rollout.rollout_data_transport == "nixl":
         fail("rollout.rollout_data_transport", "NIXL is not built here: rollout data reaches the trainer as an "
              "Arrow shard set in the store (object-store)")

@@ -74,10 +74,6 @@ REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
     "train_env_vars": "train actors take no extra environment; set variables in the environment that starts Ray",
     "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
-    "update_weight_delta_encoding": "delta weight sync is not built here; every sync sends the full weights",
-    "update_weight_delta_checksum": "delta weight sync is not built here; every sync sends the full weights",
-    "update_weight_local_checkpoint_dir": "the engines' /pull_weights (host-local checkpoint copy) is not built "
-                                          "here",
     "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
                                   "here",
     "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",

@@ -35,6 +35,7 @@ COMPANIONS: dict[str, list[str]] = {
     "--rollout-max-prompt-len": ["--hf-checkpoint", "/tmp/hf"],
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
     "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
+    "--update-weight-local-checkpoint-dir": ["--update-weight-mode", "delta", "--weight-sync-mode", "disk"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {
@@ -201,7 +202,8 @@ def test_update_weight_transport_picks_the_sync_mode():
 
 
 @pytest.mark.parametrize(("args", "reason"), [
-    (["--update-weight-mode", "delta"], "delta weight sync is not built here"),
+    (["--update-weight-mode", "delta"], "delta sync is disk only"),
+    (["--update-weight-mode", "delta", "--weight-sync-mode", "disk"], "needs update_weight_local_checkpoint_dir"),
     (["--rollout-data-transport", "nixl"], "NIXL is not built here"),
 ])
 def test_values_not_built_are_refused_with_a_reason(args, reason):

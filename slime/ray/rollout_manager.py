@@ -154,6 +154,9 @@ class RolloutManager:
         from slime.sync.syncer import resolve_mode
 
         s = self.config.sync
+        if s.update_weight_mode == "delta":  # the local checkpoint holds the newest version
+            path = Path(s.update_weight_local_checkpoint_dir)
+            return path if (path / "config.json").is_file() else None
         if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.colocate) != "disk":
             return None
         path = weights_dir(s.update_weight_disk_dir, version)

@@ -56,8 +56,17 @@ class WeightSyncer:
             from slime.sync.disk import DiskSync
 
             directory = config.update_weight_disk_dir or tempfile.mkdtemp(prefix="slime-weights-")
-            self.transport: Any = DiskSync(directory, hf_config, keep_files=config.update_weight_disk_keep_files,
-                                           post_write=post_write)
+            if config.update_weight_mode == "delta":
+                from slime.sync.delta import DeltaSync
+
+                self.transport: Any = DeltaSync(directory, config.update_weight_local_checkpoint_dir, hf_config,
+                                                encoding=config.update_weight_delta_encoding,
+                                                algorithm=config.update_weight_delta_checksum,
+                                                keep_files=config.update_weight_disk_keep_files,
+                                                post_write=post_write)
+            else:
+                self.transport = DiskSync(directory, hf_config, keep_files=config.update_weight_disk_keep_files,
+                                          post_write=post_write)
         elif self.mode == "tensor":
             from slime.sync.tensor import TensorSync
 
