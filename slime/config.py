@@ -65,6 +65,8 @@ class RunConfig(_Section):
                                                                   "as a shard set; no .pt dump is written")
     save_debug_train_data: str | None = Field(None, description="mapped: the trainer's input is the committed "
                                                                 "rollout shard set; no .pt dump is written")
+    dump_details: str | None = Field(None, description="mapped: the store keeps every rollout shard set, checkpoint, "
+                                                       "eval and metrics line of the run")
     use_wandb: bool = Field(False, description="`slime rl`: also log step metrics to W&B with slime's names and "
                                                "step axes (slime/rl/tracking.py; needs the wandb package)")
     wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
@@ -118,6 +120,7 @@ class ClusterConfig(_Section):
     offload_train: bool | None = Field(None, description="None: same as colocate")
     offload_rollout: bool | None = Field(None, description="None: same as colocate")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
+    distributed_timeout_minutes: int = Field(10, ge=1, description="the train ranks' torch.distributed timeout")
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +145,8 @@ class CheckpointConfig(_Section):
     save_interval: int | None = Field(None, ge=1, description="RL: save every N rollouts, and at the "
                                                               "end (SFT: sft_save_interval)")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
+    ref_ckpt_step: int | None = Field(None, ge=0, description="load iteration N of ref_load (default: its newest "
+                                                              "committed checkpoint)")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
     dist_ckpt_optim_fully_reshardable: bool = Field(
@@ -243,6 +248,10 @@ class AlgorithmConfig(_Section):
     tis_clip: float = Field(2.0, gt=0)
     tis_clip_low: float = Field(0.0, ge=0)
     calculate_per_token_loss: bool = False
+    use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")
+    use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
+                                              "negative advantage whose mean old - new log-prob exceeds opsm_delta")
+    opsm_delta: float = Field(1e-4, ge=0, description="OPSM's sequence-KL threshold")
 
 
 class TrainConfig(_Section):
@@ -272,6 +281,8 @@ class TrainConfig(_Section):
     lr_warmup_init: float = Field(0.0, ge=0, description="learning rate of the first warmup step")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data-parallel ranks "
                                                                "(megatron DistributedOptimizer)")
+    train_env_vars: dict[str, str] = Field(default_factory=dict, description="environment variables of the train "
+                                                                             "rank processes (Ray runtime_env)")
     log_probs_max_tokens_per_gpu: int | None = Field(None, ge=1, description="dynamic batch size of the log-prob "
                                                      "passes (no backward: may be larger); None: max_tokens_per_gpu")
     custom_megatron_init_path: str | None = Field(None, description="init(args), after Megatron's process groups "
@@ -347,6 +358,8 @@ class EvalConfig(_Section):
     eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
     eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
                                                           "reward_key")
+    eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
+                                                                    "tokens (needs hf_checkpoint's tokenizer)")
     eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
                                                                     "min_new_tokens)")
     eval_num_engines: int = Field(1, ge=1, description="`slime evaluate`: inference engines started for the eval")

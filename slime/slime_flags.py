@@ -69,10 +69,7 @@ _NO_BUFFER = "slime's external rollout-buffer server protocol is not built here;
 
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
-    "distributed_timeout_minutes": "the trainer's process-group timeout is not configurable here (the weight-sync "
-                                   "group's is --weight-sync-timeout-s)",
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
-    "train_env_vars": "train actors take no extra environment; set variables in the environment that starts Ray",
     "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
     "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
                                   "here",
@@ -93,10 +90,7 @@ REFUSED: dict[str, str] = {
                         "here",
     "balance_data": "FLOPs balancing across data-parallel ranks is not built here",
     "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
-    "eval_max_prompt_len": "eval prompt-length filtering is not built here",
     "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
-    "ref_ckpt_step": "the reference model loads the newest committed checkpoint of --ref-load; picking a step is "
-                     "not built here",
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
                   "manifest)",
     "num_critic_only_steps": "critic-only warm-up steps are not built here",
@@ -104,7 +98,6 @@ REFUSED: dict[str, str] = {
     "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
                                               "loss without them)",
     "custom_advantage_function_path": "a custom advantage hook is not built here",
-    "use_unbiased_kl": "the importance-weighted (unbiased) KL estimator is not built here",
     "ref_update_interval": "updating the reference model from the actor is not built here",
     "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
     "get_mismatch_metrics": "train/rollout mismatch metrics beyond train/train_rollout_logprob_abs_diff are not "
@@ -115,8 +108,6 @@ REFUSED: dict[str, str] = {
     "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer hook is not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
-    "use_opsm": "off-policy sequence masking (OPSM) is not built here",
-    "opsm_delta": "off-policy sequence masking (OPSM) is not built here",
     "use_opd": _NO_OPD,
     "opd_type": _NO_OPD,
     "opd_kl_coef": _NO_OPD,
@@ -126,7 +117,6 @@ REFUSED: dict[str, str] = {
     "log_correct_samples": "logging of correct samples is not built here",
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",
-    "dump_details": "detail dumps for post-hoc visualisation are not built here",
     "memory_snapshot_dir": _NO_PROFILE,
     "memory_snapshot_num_steps": _NO_PROFILE,
     "profile_target": _NO_PROFILE,
@@ -165,6 +155,9 @@ MAPPED: dict[str, str] = {
                                "is written",
     "save_debug_train_data": "the trainer's input is the committed rollout shard set, kept in the store; the "
                              "trainer's per-step tensors are recomputed from it; no .pt dump is written",
+    "dump_details": "the store keeps what slime's detail dump holds: every rollout shard set "
+                    "({store}/{run_id}/rollout/), checkpoint, eval shard set and metrics.jsonl line; no separate "
+                    "dump is written",
     "rollout_data_transport": "rollout data reaches the trainer as an Arrow shard set in the store, not through "
                               "Ray's object store",
 }

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from slime.config import Config
-from slime.errors import ConfigError, DataFormatError
+from slime.errors import ConfigError, DataFormatError, NotCommittedError
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ class TrainActor:
             raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
                               "policy_loss only")
         self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
-        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method)
+        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method,
+                      timeout_minutes=c.cluster.distributed_timeout_minutes)
         if self.hooks.init is not None:
             self.hooks.init(c.as_namespace())
         hf_dir = c.checkpoint.hf_checkpoint
@@ -163,18 +164,31 @@ class TrainActor:
             logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
             return state.iteration + 1
         if ck.ref_load:
-            load_model_checkpoint(self.models, resolve_checkpoint(ck.ref_load))
+            load_model_checkpoint(self.models, self._ref_checkpoint())
         else:
             self.bridge.load_weights(self.models, ck.hf_checkpoint)
         return 0
 
+    def _ref_checkpoint(self) -> str:
+        """The checkpoint `ref_load` names: its iteration `ref_ckpt_step` when set, else its newest committed."""
+        from slime.backends.megatron.checkpoint import iteration_dir
+        from slime.export import resolve_checkpoint
+        from slime.storage import is_committed
+
+        ck = self.config.checkpoint
+        if ck.ref_ckpt_step is None:
+            return resolve_checkpoint(ck.ref_load)
+        path = iteration_dir(ck.ref_load, ck.ref_ckpt_step)
+        if not is_committed(path):
+            raise NotCommittedError(f"ref_ckpt_step {ck.ref_ckpt_step}: {path} is not a committed checkpoint")
+        return path
+
     def _load_reference(self) -> None:
         from slime.backends.megatron.checkpoint import load_model_checkpoint
-        from slime.export import resolve_checkpoint
 
         ck = self.config.checkpoint
         if ck.ref_load:
-            load_model_checkpoint(self.ref_models, resolve_checkpoint(ck.ref_load))
+            load_model_checkpoint(self.ref_models, self._ref_checkpoint())
         else:
             self.bridge.load_weights(self.ref_models, ck.hf_checkpoint)
         for model in self.ref_models:

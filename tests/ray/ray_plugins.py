@@ -70,9 +70,12 @@ def _record(args, entry: dict) -> None:
 
 
 def megatron_init(args) -> None:
+    import os
+
     import torch.distributed as dist
 
-    _record(args, {"hook": "init", "dist_initialized": dist.is_initialized(), "seed": args.seed})
+    _record(args, {"hook": "init", "dist_initialized": dist.is_initialized(), "seed": args.seed,
+                   "env": os.environ.get("SLIME_HOOK_TEST")})
 
 
 def before_log_prob(args, model, store_prefix) -> None:

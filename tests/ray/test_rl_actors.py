@@ -156,10 +156,12 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     hooked.train.custom_megatron_init_path = "ray_plugins.megatron_init"
     hooked.train.custom_megatron_before_log_prob_hook_path = "ray_plugins.before_log_prob"
     hooked.train.custom_megatron_before_train_step_hook_path = "ray_plugins.before_train_step"
+    hooked.train.train_env_vars = {"SLIME_HOOK_TEST": "from --train-env-vars"}
     metrics = train_one_rank(hooked, placement, uri)
     assert metrics["train/steps"] == 2
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert calls[0] == {"hook": "init", "dist_initialized": True, "seed": hooked.run.seed}
+    assert calls[0] == {"hook": "init", "dist_initialized": True, "seed": hooked.run.seed,
+                        "env": "from --train-env-vars"}
     assert calls[1:3] == [{"hook": "log_prob", "store_prefix": "", "chunks": 1},
                           {"hook": "log_prob", "store_prefix": "ref_", "chunks": 1}]
     steps = calls[3:]

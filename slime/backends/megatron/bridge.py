@@ -53,7 +53,7 @@ _LOCAL_TO_GLOBAL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = w
 
 
 def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, rank: int = 0,
-                  world_size: int = 1, init_method: str | None = None) -> None:
+                  world_size: int = 1, init_method: str | None = None, timeout_minutes: float = 10) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state for this rank.
 
     A single process (conversion, one-rank training) needs no arguments beyond the seed; data-parallel
@@ -71,7 +71,7 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{find_free_port()}",
-                                rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=10))
+                                rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     model_parallel_cuda_manual_seed(seed)

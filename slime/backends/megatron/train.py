@@ -41,6 +41,7 @@ from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.policy_loss import (
     cispo_loss,
     gspo_policy_loss,
+    opsm_keep,
     policy_loss,
     sft_loss,
     tis_weights,
@@ -81,6 +82,9 @@ class StepSettings:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     calculate_per_token_loss: bool = False
+    use_unbiased_kl: bool = False
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
 
     @classmethod
     def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
@@ -94,7 +98,8 @@ class StepSettings:
                    value_clip=a.value_clip, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
                    kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                    use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
-                   tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss)
+                   tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss,
+                   use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta)
 
 
 def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
@@ -149,6 +154,10 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         out = policy_loss(logp, old, micro.advantages, mask, eps_clip_c=s.eps_clip_c, **clip)
     pg = out.loss
     parts: dict[str, torch.Tensor] = {"pg_clipfrac": reduce(out.clipfrac, mask), "ppo_kl": reduce(out.ppo_kl, mask)}
+    if s.use_opsm:  # slime: after the surrogate, before TIS
+        keep = opsm_keep(logp, old, micro.advantages, mask, s.opsm_delta)
+        pg = pg * keep
+        parts["opsm_clipfrac"] = reduce(1.0 - keep, mask)
     if s.use_tis:
         weights = tis_weights(train_old, micro.rollout_log_probs, s.tis_clip_low, s.tis_clip, mask)
         raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
@@ -161,7 +170,10 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
     total = pg_loss - s.entropy_coef * entropy_loss if s.entropy_coef else pg_loss
     parts.update(pg_loss=pg_loss, entropy_loss=entropy_loss)
     if s.use_kl_loss:
-        kl_loss = reduce(compute_approx_kl(logp, micro.ref_log_probs, s.kl_loss_type), mask)
+        kl = compute_approx_kl(logp, micro.ref_log_probs, s.kl_loss_type)
+        if s.use_unbiased_kl:  # slime: weighted by the importance ratio pi / pi_old (with its gradient)
+            kl = kl * torch.exp(logp.float() - old.float())
+        kl_loss = reduce(kl, mask)
         total = total + s.kl_loss_coef * kl_loss
         parts["kl_loss"] = kl_loss
     return total, parts

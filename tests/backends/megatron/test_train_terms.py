@@ -1,0 +1,53 @@
+"""The policy-loss terms of one micro-batch (`_policy_terms`) for slime's --use-unbiased-kl and --use-opsm,
+against values written out by hand (no model: log-probs are given)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slime.algorithms.kl import compute_approx_kl
+from slime.backends.megatron.step_data import MicroBatch
+from slime.backends.megatron.train import StepSettings, _policy_terms, _Step
+
+MASK = torch.ones(2, 2, dtype=torch.bool)
+LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+OLD = torch.tensor([[-1.2, -2.1], [-0.5, -0.5]])
+REF = torch.tensor([[-1.5, -1.5], [-0.4, -0.6]])
+ADV = torch.tensor([[-1.0, -1.0], [1.0, 1.0]])
+
+
+def _terms(old=OLD, **settings):
+    step = _Step(StepSettings(loss_type="policy_loss", **settings), vocab_size=8, num_samples=2, num_tokens=4,
+                 scale=1.0)
+    micro = MicroBatch(indices=[0, 1], batch=None, loss_mask=MASK, advantages=ADV, rollout_log_probs=None,
+                       old_log_probs=old, ref_log_probs=REF, returns=None, old_values=None)
+    return _policy_terms(step, micro, LOGP, torch.zeros(2, 2), MASK)
+
+
+def _sample_mean(x: torch.Tensor) -> float:
+    return float(x.mean(-1).sum() / 2)
+
+
+def test_unbiased_kl_weights_the_kl_by_pi_over_pi_old():
+    plain = _terms(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k3")[1]["kl_loss"]
+    unbiased = _terms(use_kl_loss=True, kl_loss_coef=1.0, kl_loss_type="k3", use_unbiased_kl=True)[1]["kl_loss"]
+    k3 = compute_approx_kl(LOGP, REF, "k3")
+    assert math.isclose(float(plain), _sample_mean(k3), rel_tol=1e-6)
+    assert math.isclose(float(unbiased), _sample_mean(k3 * torch.exp(LOGP - OLD)), rel_tol=1e-6)
+    assert float(unbiased) != float(plain)
+
+
+def test_opsm_drops_the_drifted_negative_sample():
+    # sample 0: advantage -1, seq KL = (-1.2 + 1.0 - 2.1 + 2.0) / 2 = -0.15 -> kept at delta 1e-4 ...
+    total, parts = _terms(use_opsm=True, opsm_delta=1e-4)
+    assert float(parts["opsm_clipfrac"]) == 0.0
+    # ... and with the old policy above the new one (seq KL 0.15 > 1e-4), dropped: only sample 1 is left
+    drifted = torch.tensor([[-0.8, -1.9], [-0.5, -0.5]])
+    baseline = _terms(drifted)[1]["pg_loss"]
+    total, parts = _terms(drifted, use_opsm=True, opsm_delta=1e-4)
+    assert float(parts["opsm_clipfrac"]) == 0.5  # one of two samples
+    ratio1 = 1.0  # sample 1: logp == old
+    assert math.isclose(float(parts["pg_loss"]), -ratio1 * 1.0 / 2, rel_tol=1e-6)  # sample 1's -A*ratio, / N
+    assert float(baseline) != float(parts["pg_loss"])
