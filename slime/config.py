@@ -285,6 +285,14 @@ class TrainConfig(_Section):
                                                                              "rank processes (Ray runtime_env)")
     log_probs_max_tokens_per_gpu: int | None = Field(None, ge=1, description="dynamic batch size of the log-prob "
                                                      "passes (no backward: may be larger); None: max_tokens_per_gpu")
+    reset_optimizer_states: bool = Field(False, description="zero Adam's step and moments after each rollout's "
+                                                            "training")
+    custom_advantage_function_path: str | None = Field(
+        None, description="fn(args, rollout_data) sets advantages and returns, instead of the estimator "
+                          "(slime/backends/megatron/hooks.py)")
+    rollout_data_postprocess_path: str | None = Field(
+        None, description="fn(args, rollout_id, rollout_data) after the advantages; may change advantages and "
+                          "loss_masks")
     custom_megatron_init_path: str | None = Field(None, description="init(args), after Megatron's process groups "
                                                                     "(slime/backends/megatron/hooks.py)")
     custom_megatron_before_log_prob_hook_path: str | None = Field(

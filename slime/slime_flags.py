@@ -80,7 +80,6 @@ REFUSED: dict[str, str] = {
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
     "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
-    "rollout_data_postprocess_path": "the trainer's rollout-data post-process hook is not built here",
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
                                      "not built here",
     "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
@@ -97,12 +96,10 @@ REFUSED: dict[str, str] = {
     "megatron_config_path": "per-role Megatron YAML configs are not built here (one megatron: section)",
     "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
                                               "loss without them)",
-    "custom_advantage_function_path": "a custom advantage hook is not built here",
     "ref_update_interval": "updating the reference model from the actor is not built here",
     "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
     "get_mismatch_metrics": "train/rollout mismatch metrics beyond train/train_rollout_logprob_abs_diff are not "
                             "built here",
-    "reset_optimizer_states": "resetting optimizer state each rollout is not built here",
     "use_stateless_adam": "stateless Adam is not built here",
     "custom_tis_function_path": "a custom TIS/RS weight hook is not built here (--use-tis is built in)",
     "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer hook is not built here",

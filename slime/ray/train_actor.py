@@ -217,7 +217,7 @@ class TrainActor:
         shares = rank_share(samples, steps, self.rank, self.world_size)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
-        arrays, stats = self._arrays(mine)
+        arrays, stats = self._arrays(rollout_id, mine)
         t2 = time.monotonic()
         settings = StepSettings.from_config(c)
         rows, start = [], 0
@@ -232,6 +232,10 @@ class TrainActor:
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
+        if c.train.reset_optimizer_states:
+            from slime.backends.megatron.optimizer import reset_optimizer_states
+
+            reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         metrics.update(stats)
@@ -283,7 +287,7 @@ class TrainActor:
                                       disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
         return raw.tolist(), normalize_group_rewards(raw, n, **how._asdict()).tolist()
 
-    def _arrays(self, mine: list[Any]) -> tuple[Any, dict[str, float]]:
+    def _arrays(self, rollout_id: int, mine: list[Any]) -> tuple[Any, dict[str, float]]:
         """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics."""
         import torch
 
@@ -321,9 +325,25 @@ class TrainActor:
                 sums[0] += float(diff[m].sum())
                 sums[1] += float(m.sum())
         rewards = torch.tensor([s.metadata["normalized_reward"] for s in mine], dtype=torch.float32)
-        advantages, _ = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
-                                           gamma=a.gamma, lambd=a.lambd)
-        per_sample = split_rows(advantages, mine)
+        hooks = self.hooks
+        data = self._rollout_data(mine, old, ref, split_rows(kl, mine)) if hooks.advantage or \
+            hooks.rollout_data_postprocess else {}
+        if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
+            hooks.advantage(c.as_namespace(), data)
+            per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
+        else:
+            advantages, returns = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
+                                                     gamma=a.gamma, lambd=a.lambd)
+            per_sample = split_rows(advantages, mine)
+            if data:
+                data["returns"] = None if returns is None else split_rows(returns, mine)
+        if hooks.rollout_data_postprocess is not None:  # slime: may rewrite advantages and loss masks
+            data["advantages"] = per_sample
+            hooks.rollout_data_postprocess(c.as_namespace(), rollout_id, data)
+            per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
+            for sample, m in zip(mine, data["loss_masks"], strict=True):
+                sample.loss_mask = [int(v) for v in torch.as_tensor(m).tolist()]
+            _, mask = stack_rows(mine)
         if a.normalize_advantages:
             per_sample = whiten_over_dp(mine, per_sample)
         sums[4] = float(stack_rows(mine, per_sample)[0][mask].sum())
@@ -335,6 +355,22 @@ class TrainActor:
         if ref is not None:
             stats["rollout/kl"] = float(sums[2]) / tokens
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _rollout_data(self, mine: list[Any], old: list[Any], ref: list[Any] | None, kl: list[Any]) -> dict[str, Any]:
+        """This rank's samples as slime's `rollout_data` lists (what its advantage/post-process hooks get)."""
+        import torch
+
+        return {
+            "rewards": [s.metadata["normalized_reward"] for s in mine],
+            "raw_reward": [float(s.get_reward_value(self.config.as_namespace())) for s in mine],
+            "log_probs": old, "ref_log_probs": ref, "kl": kl,
+            "rollout_log_probs": [None if s.rollout_log_probs is None else
+                                  torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in mine],
+            "loss_masks": [torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.int32) for s in mine],
+            "response_lengths": [s.response_length for s in mine],
+            "total_lengths": [len(s.tokens) for s in mine],
+            "tokens": [torch.tensor(s.tokens) for s in mine],
+        }
 
     # ------------------------------------------------------------------------- checkpoints, memory, sync
 

@@ -85,3 +85,20 @@ def before_log_prob(args, model, store_prefix) -> None:
 def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
     _record(args, {"hook": "train_step", "rollout_id": rollout_id, "step_id": step_id, "chunks": len(model),
                    "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": opt_param_scheduler.num_steps})
+
+
+def constant_advantages(args, rollout_data) -> None:
+    """--custom-advantage-function-path: every token's advantage 1 (returns too); records the keys it got."""
+    import torch
+
+    _record(args, {"hook": "advantage", "keys": sorted(rollout_data), "samples": len(rollout_data["rewards"]),
+                   "lengths_match": all(len(lp) == n for lp, n in zip(rollout_data["log_probs"],
+                                                                       rollout_data["response_lengths"], strict=True))})
+    rollout_data["advantages"] = [torch.ones(n) for n in rollout_data["response_lengths"]]
+    rollout_data["returns"] = [torch.ones(n) for n in rollout_data["response_lengths"]]
+
+
+def double_advantages(args, rollout_id, rollout_data) -> None:
+    """--rollout-data-postprocess-path: doubles the advantages the trainer then uses."""
+    _record(args, {"hook": "postprocess", "rollout_id": rollout_id})
+    rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]

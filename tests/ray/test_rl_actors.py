@@ -157,6 +157,8 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     hooked.train.custom_megatron_before_log_prob_hook_path = "ray_plugins.before_log_prob"
     hooked.train.custom_megatron_before_train_step_hook_path = "ray_plugins.before_train_step"
     hooked.train.train_env_vars = {"SLIME_HOOK_TEST": "from --train-env-vars"}
+    hooked.train.custom_advantage_function_path = "ray_plugins.constant_advantages"
+    hooked.train.rollout_data_postprocess_path = "ray_plugins.double_advantages"
     metrics = train_one_rank(hooked, placement, uri)
     assert metrics["train/steps"] == 2
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -164,7 +166,13 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
                         "env": "from --train-env-vars"}
     assert calls[1:3] == [{"hook": "log_prob", "store_prefix": "", "chunks": 1},
                           {"hook": "log_prob", "store_prefix": "ref_", "chunks": 1}]
-    steps = calls[3:]
+    advantage, postprocess = calls[3:5]
+    assert advantage["hook"] == "advantage" and advantage["samples"] == ROLLOUT_BATCH * GROUP
+    assert {"rewards", "log_probs", "ref_log_probs", "kl", "loss_masks", "response_lengths",
+            "total_lengths"} <= set(advantage["keys"]) and advantage["lengths_match"]
+    assert postprocess == {"hook": "postprocess", "rollout_id": 10}
+    assert metrics["rollout/advantages"] == pytest.approx(2.0)  # the hook's 1, doubled by the post-process
+    steps = calls[5:]
     assert [(c["hook"], c["rollout_id"], c["step_id"], c["chunks"]) for c in steps] == \
         [("train_step", 10, 0, 1), ("train_step", 10, 1, 1)]
     assert [c["scheduler_steps"] for c in steps] == [0, 1]  # called before each step's optimizer update

@@ -51,3 +51,24 @@ def test_opsm_drops_the_drifted_negative_sample():
     ratio1 = 1.0  # sample 1: logp == old
     assert math.isclose(float(parts["pg_loss"]), -ratio1 * 1.0 / 2, rel_tol=1e-6)  # sample 1's -A*ratio, / N
     assert float(baseline) != float(parts["pg_loss"])
+
+
+def test_reset_optimizer_states_zeroes_adam_like_a_new_one():
+    from types import SimpleNamespace
+
+    from slime.backends.megatron.optimizer import reset_optimizer_states
+
+    param = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([param], lr=0.1)
+    param.grad = torch.ones(3)
+    adam.step()
+    state = adam.state[param]
+    assert float(state["step"]) == 1 and float(state["exp_avg"].abs().sum()) > 0
+    reset_optimizer_states(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)]))
+    assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    assert torch.allclose(param.detach(), torch.full((3,), 0.9))  # parameters untouched
+    fresh = torch.optim.Adam([torch.nn.Parameter(param.detach().clone())], lr=0.1)
+    for opt, p in ((adam, param), (fresh, fresh.param_groups[0]["params"][0])):
+        p.grad = torch.full((3,), 0.5)
+        opt.step()
+    assert torch.equal(param.detach(), fresh.param_groups[0]["params"][0].detach())  # the same next step
