@@ -285,6 +285,10 @@ class TrainConfig(_Section):
                                                                              "rank processes (Ray runtime_env)")
     log_probs_max_tokens_per_gpu: int | None = Field(None, ge=1, description="dynamic batch size of the log-prob "
                                                      "passes (no backward: may be larger); None: max_tokens_per_gpu")
+    only_train_params_name_list: list[str] | None = Field(None, description="regexes of the Megatron parameter "
+                                                          "names to train; every other parameter is frozen")
+    freeze_params_name_list: list[str] | None = Field(None, description="regexes of the Megatron parameter names "
+                                                      "to freeze (slime/backends/megatron/freeze.py)")
     reset_optimizer_states: bool = Field(False, description="zero Adam's step and moments after each rollout's "
                                                             "training")
     custom_advantage_function_path: str | None = Field(

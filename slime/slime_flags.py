@@ -75,8 +75,6 @@ REFUSED: dict[str, str] = {
                                   "here",
     "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
     "log_probs_chunk_size": "chunked log-prob computation is not built here (log-probs use whole micro-batches)",
-    "only_train_params_name_list": "partial-parameter training is not built here: every parameter trains",
-    "freeze_params_name_list": "partial-parameter training is not built here: every parameter trains",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
     "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",

@@ -105,6 +105,7 @@ class TrainActor:
         from transformers import AutoTokenizer
 
         from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+        from slime.backends.megatron.freeze import freeze_callback
         from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.convert import megatron_dtype
@@ -126,7 +127,9 @@ class TrainActor:
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.bridge = make_bridge(hf_dir, megatron_dtype(c))
         self.models = build_model(self.bridge, wrap_with_ddp=True,
-                                  use_distributed_optimizer=c.train.use_distributed_optimizer)
+                                  use_distributed_optimizer=c.train.use_distributed_optimizer,
+                                  post_create=freeze_callback(c.train.only_train_params_name_list,
+                                                              c.train.freeze_params_name_list))
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(self.models, c, total_train_steps(c))
         start = self._load_weights()
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:

@@ -83,8 +83,15 @@ def before_log_prob(args, model, store_prefix) -> None:
 
 
 def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
+    params = dict(model[0].named_parameters())
+
+    def total(part: str) -> float:
+        return sum(float(p.detach().double().sum()) for n, p in params.items() if part in n)
+
     _record(args, {"hook": "train_step", "rollout_id": rollout_id, "step_id": step_id, "chunks": len(model),
-                   "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": opt_param_scheduler.num_steps})
+                   "lr": optimizer.param_groups[0]["lr"], "scheduler_steps": opt_param_scheduler.num_steps,
+                   "frozen": sorted(n for n, p in params.items() if not p.requires_grad),
+                   "embedding_sum": total("word_embeddings"), "fc1_sum": total("linear_fc1")})
 
 
 def constant_advantages(args, rollout_data) -> None:

@@ -159,6 +159,7 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     hooked.train.train_env_vars = {"SLIME_HOOK_TEST": "from --train-env-vars"}
     hooked.train.custom_advantage_function_path = "ray_plugins.constant_advantages"
     hooked.train.rollout_data_postprocess_path = "ray_plugins.double_advantages"
+    hooked.train.freeze_params_name_list = ["word_embeddings"]  # partial training
     metrics = train_one_rank(hooked, placement, uri)
     assert metrics["train/steps"] == 2
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -176,6 +177,9 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     assert [(c["hook"], c["rollout_id"], c["step_id"], c["chunks"]) for c in steps] == \
         [("train_step", 10, 0, 1), ("train_step", 10, 1, 1)]
     assert [c["scheduler_steps"] for c in steps] == [0, 1]  # called before each step's optimizer update
+    assert [[n.rsplit(".", 2)[-2] for n in c["frozen"]] for c in steps] == [["word_embeddings"]] * 2
+    assert steps[0]["embedding_sum"] == steps[1]["embedding_sum"]  # frozen: the first step left it
+    assert steps[0]["fc1_sum"] != steps[1]["fc1_sum"]  # trained
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import logging
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,15 +133,18 @@ def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:
 
 
 def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False,
-                use_distributed_optimizer: bool = False) -> list[torch.nn.Module]:
+                use_distributed_optimizer: bool = False,
+                post_create: Callable[..., None] | None = None) -> list[torch.nn.Module]:
     """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given.
     With `wrap_with_ddp` they are wrapped in megatron DDP (gradient buffers), as training needs;
-    `use_distributed_optimizer` lays the buffers out for the DistributedOptimizer (DP > 1)."""
+    `use_distributed_optimizer` lays the buffers out for the DistributedOptimizer (DP > 1);
+    `post_create(model, **kw)` runs on each chunk before wrapping (e.g. `freeze.freeze_callback`)."""
     dtype = bridge.dtype
     ddp_config = ({"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer}
                   if wrap_with_ddp else None)
     models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config)
+                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config,
+                              post_model_creation_callbacks=[post_create] if post_create else [])
     if hf_dir is not None:
         bridge.load_weights(models, hf_dir)
     return models
