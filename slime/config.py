@@ -85,6 +85,8 @@ class RunConfig(_Section):
     wandb_run_id: str | None = Field(None, description="continue this W&B run (resume 'allow')")
     log_passrate: bool = Field(False, description="log passrate/pass@k (k = 1, 2, 4 ... group size) of every "
                                                   "rollout, reward 1 counting as correct")
+    log_multi_turn: bool = Field(False, description="log multi_turn/*: response lengths with and without "
+                                                    "environment tokens, rounds per sample")
     log_reward_category: str | None = Field(None, description="log error_cat/<value>: the share of samples whose dict "
                                                               "reward has each value under this key")
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"

@@ -108,7 +108,6 @@ REFUSED: dict[str, str] = {
     "opd_kl_coef": _NO_OPD,
     "opd_teacher_load": _NO_OPD,
     "opd_teacher_ckpt_step": _NO_OPD,
-    "log_multi_turn": "multi-turn rollout statistics are not built here",
     "log_correct_samples": "logging of correct samples is not built here",
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",

@@ -100,7 +100,34 @@ def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: 
         metrics.update(passrate_metrics(args, kept))
     if getattr(args, "log_reward_category", None):
         metrics.update(reward_category_metrics(samples, args.log_reward_category))
+    if getattr(args, "log_multi_turn", False):
+        metrics.update(multi_turn_metrics(samples, getattr(args, "rollout_max_response_len", None)))
     return metrics
+
+
+def multi_turn_metrics(samples: list[Sample], max_response_len: int | None) -> dict[str, float]:
+    """slime's --log-multi-turn: response lengths with and without the environment's tokens (loss mask 0)
+    and the number of rounds (`metadata["round_number"]`, slime's key, else `metadata["turns"]`, this
+    project's multi-turn example's), under `multi_turn/`."""
+    if not samples:
+        return {}
+    raw = [s.response_length for s in samples]
+    own = [sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples]
+    out = {"multi_turn/raw_response_length/response_length_mean": statistics.fmean(raw),
+           "multi_turn/raw_response_length/response_length_max": max(raw),
+           "multi_turn/raw_response_length/response_length_min": min(raw),
+           "multi_turn/wo_obs_response_length/response_length_mean": statistics.fmean(own),
+           "multi_turn/wo_obs_response_length/response_length_max": max(own),
+           "multi_turn/wo_obs_response_length/response_length_min": min(own)}
+    if max_response_len:
+        out["multi_turn/raw_response_length/response_length_clip_ratio"] = \
+            sum(n >= max_response_len for n in raw) / len(raw)
+    rounds = [r for s in samples if (r := s.metadata.get("round_number", s.metadata.get("turns"))) is not None]
+    if rounds:
+        out.update({"multi_turn/multi_turn_metric/round_number_mean": statistics.fmean(rounds),
+                    "multi_turn/multi_turn_metric/round_number_max": max(rounds),
+                    "multi_turn/multi_turn_metric/round_number_min": min(rounds)})
+    return out
 
 
 def passrate_metrics(args: Any, kept: list[list[Any]]) -> dict[str, float]:
