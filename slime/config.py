@@ -250,6 +250,8 @@ class AlgorithmConfig(_Section):
     tis_clip: float = Field(2.0, gt=0)
     tis_clip_low: float = Field(0.0, ge=0)
     calculate_per_token_loss: bool = False
+    get_mismatch_metrics: bool = Field(False, description="log train/mismatch/{tis,tis_clipfrac,tis_abs,ois}: the "
+                                                          "trainer/engine importance ratios (no reweighting here)")
     use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")
     use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
                                               "negative advantage whose mean old - new log-prob exceeds opsm_delta")

@@ -96,8 +96,6 @@ REFUSED: dict[str, str] = {
                                               "loss without them)",
     "ref_update_interval": "updating the reference model from the actor is not built here",
     "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
-    "get_mismatch_metrics": "train/rollout mismatch metrics beyond train/train_rollout_logprob_abs_diff are not "
-                            "built here",
     "use_stateless_adam": "stateless Adam is not built here",
     "custom_tis_function_path": "a custom TIS/RS weight hook is not built here (--use-tis is built in)",
     "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer hook is not built here",

@@ -85,6 +85,7 @@ class StepSettings:
     use_unbiased_kl: bool = False
     use_opsm: bool = False
     opsm_delta: float = 1e-4
+    get_mismatch_metrics: bool = False
 
     @classmethod
     def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
@@ -99,7 +100,8 @@ class StepSettings:
                    kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                    use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
                    tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss,
-                   use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta)
+                   use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
+                   get_mismatch_metrics=a.get_mismatch_metrics)
 
 
 def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
@@ -110,10 +112,12 @@ def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainAr
     if not samples:
         raise ConfigError("train_step needs at least one sample on every data-parallel rank")
     arrays.check(samples)
-    if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis):
+    if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis
+                                                or settings.get_mismatch_metrics):
         for sample in samples:
             if sample.rollout_log_probs is None:
-                flag = "use_rollout_logprobs" if settings.use_rollout_logprobs else "use_tis"
+                flag = "use_rollout_logprobs" if settings.use_rollout_logprobs else \
+                    "use_tis" if settings.use_tis else "get_mismatch_metrics"
                 raise DataFormatError(f"sample index={sample.index}: {flag} needs rollout_log_probs, which it lacks")
     if settings.loss_type == "policy_loss" and settings.use_kl_loss and arrays.ref_log_probs is None:
         raise ConfigError("use_kl_loss needs reference log-probs: pass TrainArrays.ref_log_probs "
@@ -164,6 +168,14 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         pg = pg * weights
         parts["tis"] = reduce(weights, mask)
         parts["tis_clipfrac"] = reduce((weights != raw).float(), mask)
+        parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
+    if s.get_mismatch_metrics:  # slime's mismatch metrics (its default TIS function's), without reweighting
+        raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
+        clamped = raw.clamp(s.tis_clip_low, s.tis_clip)
+        parts["mismatch/tis"] = reduce(raw, mask)
+        parts["mismatch/tis_clipfrac"] = reduce((clamped != raw).float(), mask)
+        parts["mismatch/tis_abs"] = reduce((raw - 1).abs(), mask)
+        parts["mismatch/ois"] = reduce(torch.exp(torch.where(mask, logp.float() - old.float(), 0.0)), mask)
         parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
     pg_loss = reduce(pg, mask)
     entropy_loss = reduce(entropy, mask)

@@ -72,3 +72,20 @@ def test_reset_optimizer_states_zeroes_adam_like_a_new_one():
         p.grad = torch.full((3,), 0.5)
         opt.step()
     assert torch.equal(param.detach(), fresh.param_groups[0]["params"][0].detach())  # the same next step
+
+
+def test_mismatch_metrics_without_reweighting():
+    rollout = torch.tensor([[-1.0, -2.3], [-0.5, -0.2]])  # vs OLD: log-ratios 0.2-... per token below
+    step = _Step(StepSettings(loss_type="policy_loss", get_mismatch_metrics=True, tis_clip=1.1, tis_clip_low=0.9),
+                 vocab_size=8, num_samples=2, num_tokens=4, scale=1.0)
+    micro = MicroBatch(indices=[0, 1], batch=None, loss_mask=MASK, advantages=ADV, rollout_log_probs=rollout,
+                       old_log_probs=OLD, ref_log_probs=None, returns=None, old_values=None)
+    _, parts = _policy_terms(step, micro, LOGP, torch.zeros(2, 2), MASK)
+    raw = torch.exp(OLD - rollout)
+    assert math.isclose(float(parts["mismatch/tis"]), _sample_mean(raw), rel_tol=1e-6)
+    assert math.isclose(float(parts["mismatch/tis_abs"]), _sample_mean((raw - 1).abs()), rel_tol=1e-6)
+    clipped = ((raw < 0.9) | (raw > 1.1)).float()
+    assert math.isclose(float(parts["mismatch/tis_clipfrac"]), _sample_mean(clipped), rel_tol=1e-6)
+    assert math.isclose(float(parts["mismatch/ois"]), _sample_mean(torch.exp(LOGP - OLD)), rel_tol=1e-6)
+    plain = _terms()[1]["pg_loss"]
+    assert float(parts["pg_loss"]) == float(plain)  # metrics only: the loss is not reweighted
