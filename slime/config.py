@@ -250,6 +250,9 @@ class AlgorithmConfig(_Section):
     tis_clip: float = Field(2.0, gt=0)
     tis_clip_low: float = Field(0.0, ge=0)
     calculate_per_token_loss: bool = False
+    custom_tis_function_path: str | None = Field(
+        None, description="with use_tis: slime's TIS function fn(args=, pg_loss=, train_log_probs=, rollout_log_probs="
+                          ", loss_masks=, total_lengths=, response_lengths=) -> (pg_loss, loss_masks, metrics)")
     get_mismatch_metrics: bool = Field(False, description="log train/mismatch/{tis,tis_clipfrac,tis_abs,ois}: the "
                                                           "trainer/engine importance ratios (no reweighting here)")
     use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")
@@ -881,6 +884,8 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("algorithm.kl_loss_coef", "kl_loss_coef is set but use_kl_loss is false")
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         fail("algorithm.eps_clip_c", f"dual-clip constant must be > 1, got {a.eps_clip_c}")
+    if a.custom_tis_function_path and not a.use_tis:
+        fail("algorithm.custom_tis_function_path", "is applied with use_tis: set --use-tis too")
     if a.use_tis and a.tis_clip_low >= a.tis_clip:
         fail("algorithm.tis_clip_low", f"tis_clip_low {a.tis_clip_low} must be below tis_clip {a.tis_clip}")
     if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:

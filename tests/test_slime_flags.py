@@ -31,6 +31,7 @@ FLAGS = slime_flags()
 COMPANIONS: dict[str, list[str]] = {
     "--save-interval": ["--save", "/tmp/ckpt"],
     "--kl-loss-coef": ["--use-kl-loss"],
+    "--custom-tis-function-path": ["--use-tis"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "1024"],
     "--rollout-max-prompt-len": ["--hf-checkpoint", "/tmp/hf"],
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],

@@ -30,7 +30,9 @@ rollout's.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -54,7 +56,25 @@ from slime.backends.megatron.forward import check_single_stage
 from slime.backends.megatron.logprobs import response_log_probs
 from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
 from slime.errors import ConfigError, DataFormatError
+from slime.plugins import PluginError, load_function
 from slime.types import Sample
+
+# slime calls its TIS function with these keywords only (`tis_func(**tis_kwargs)`)
+TIS_KEYWORDS = ("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "total_lengths",
+                "response_lengths")
+
+
+def load_tis_function(path: str) -> Callable[..., Any]:
+    """slime's --custom-tis-function-path, checked to take slime's keywords."""
+    fn = load_function(path)
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(TIS_KEYWORDS))
+    except TypeError as e:
+        raise PluginError(f"custom_tis_function_path (--custom-tis-function-path): plugin {path!r} cannot be called "
+                          f"as fn({', '.join(k + '=...' for k in TIS_KEYWORDS)}): {e}") from None
+    except ValueError:  # no inspectable signature
+        pass
+    return fn
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "value_loss")
 
@@ -86,13 +106,20 @@ class StepSettings:
     use_opsm: bool = False
     opsm_delta: float = 1e-4
     get_mismatch_metrics: bool = False
+    # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
+    # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
+    custom_tis: Callable[..., Any] | None = None
 
     @classmethod
     def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
         """Settings from the typed config (algorithm, train and rollout temperature); `loss_type`
         overrides `algorithm.loss_type` (the critic trains with value_loss)."""
         a, t = config.algorithm, config.train
-        return cls(loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
+        custom_tis = None
+        if a.custom_tis_function_path:
+            args = config.as_namespace()
+            custom_tis = partial(load_tis_function(a.custom_tis_function_path), args=args)
+        return cls(custom_tis=custom_tis, loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
                    use_dynamic_batch_size=t.use_dynamic_batch_size, max_tokens_per_gpu=t.max_tokens_per_gpu,
                    temperature=config.rollout.rollout_temperature, advantage_estimator=a.advantage_estimator,
                    eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
@@ -162,7 +189,12 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         keep = opsm_keep(logp, old, micro.advantages, mask, s.opsm_delta)
         pg = pg * keep
         parts["opsm_clipfrac"] = reduce(1.0 - keep, mask)
-    if s.use_tis:
+    if s.use_tis and s.custom_tis is not None:
+        pg, mask_after, tis_metrics = _custom_tis(s.custom_tis, micro, pg, train_old, mask)
+        pg = pg * mask_after  # rejected tokens add nothing; the denominators stay the original masks' (slime)
+        parts.update({k: reduce(v, mask) for k, v in tis_metrics.items()})
+        parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
+    elif s.use_tis:
         weights = tis_weights(train_old, micro.rollout_log_probs, s.tis_clip_low, s.tis_clip, mask)
         raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
         pg = pg * weights
@@ -189,6 +221,33 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         total = total + s.kl_loss_coef * kl_loss
         parts["kl_loss"] = kl_loss
     return total, parts
+
+
+def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, train_old: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Call a slime TIS function on slime's layout (per-token values of the micro-batch's responses, one after
+    the other; per-sample lists) and bring its loss, masks and metrics back to `[b, R]`."""
+    lengths = [int(n) for n in micro.batch.response_lengths]
+    rows = range(len(lengths))
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[i, : lengths[i]] for i in rows])
+
+    def padded(values: torch.Tensor) -> torch.Tensor:
+        out, start = torch.zeros_like(pg), 0
+        for i in rows:
+            out[i, : lengths[i]] = values[start: start + lengths[i]]
+            start += lengths[i]
+        return out
+
+    new_pg, masks, metrics = fn(
+        pg_loss=flat(pg), train_log_probs=[train_old[i, : lengths[i]] for i in rows],
+        rollout_log_probs=[micro.rollout_log_probs[i, : lengths[i]] for i in rows],
+        loss_masks=[mask[i, : lengths[i]].int() for i in rows],
+        total_lengths=[int(p) + lengths[i] for i, p in enumerate(micro.batch.prompt_lengths)],
+        response_lengths=lengths)
+    new_mask = padded(torch.cat([m.to(pg.dtype) for m in masks])) if masks is not None else mask.to(pg.dtype)
+    return padded(new_pg), new_mask, {k: padded(v.to(pg.dtype)) for k, v in metrics.items()}
 
 
 def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

@@ -4,7 +4,9 @@ against values written out by hand (no model: log-probs are given)."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
+import pytest
 import torch
 
 from slime.algorithms.kl import compute_approx_kl
@@ -89,3 +91,49 @@ def test_mismatch_metrics_without_reweighting():
     assert math.isclose(float(parts["mismatch/ois"]), _sample_mean(torch.exp(LOGP - OLD)), rel_tol=1e-6)
     plain = _terms()[1]["pg_loss"]
     assert float(parts["pg_loss"]) == float(plain)  # metrics only: the loss is not reweighted
+
+
+ICEPOP = '''
+import torch
+
+
+def icepop(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """slime's TIS-function signature (its icepop_function): zero weight outside [tis_clip_low, tis_clip]."""
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    weight = torch.where((ratio >= args.tis_clip_low) & (ratio <= args.tis_clip), ratio, torch.zeros_like(ratio))
+    assert kwargs["response_lengths"] == [2, 2] and kwargs["total_lengths"] == [5, 4]
+    return pg_loss * weight, loss_masks, {"ice_clipfrac": (weight != ratio).float()}
+'''
+
+
+def test_custom_tis_function_on_slimes_layout(make_module):
+    from slime.algorithms.policy_loss import policy_loss
+    from slime.backends.megatron.logprobs import PaddedBatch
+    from slime.backends.megatron.train import load_tis_function
+    from slime.config import load_config
+
+    mod = make_module(ICEPOP)
+    args = load_config(None, ["--use-tis", "--tis-clip", "1.1", "--tis-clip-low", "0.9"]).as_namespace()
+    settings = StepSettings(loss_type="policy_loss", use_tis=True,
+                            custom_tis=partial(load_tis_function(f"{mod}.icepop"), args=args))
+    rollout = torch.tensor([[-1.25, -2.1], [-0.5, -0.2]])  # ratios exp(OLD - rollout): 1.05, 1.0, 1.0, 0.74
+    batch = PaddedBatch(tokens=torch.zeros(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([3, 2]),
+                        response_lengths=torch.tensor([2, 2]))
+    micro = MicroBatch(indices=[0, 1], batch=batch, loss_mask=MASK, advantages=ADV, rollout_log_probs=rollout,
+                       old_log_probs=OLD, ref_log_probs=None, returns=None, old_values=None)
+    step = _Step(settings, vocab_size=8, num_samples=2, num_tokens=4, scale=1.0)
+    _, parts = _policy_terms(step, micro, LOGP, torch.zeros(2, 2), MASK)
+    ratio = torch.exp(OLD - rollout)
+    weight = torch.where((ratio >= 0.9) & (ratio <= 1.1), ratio, torch.zeros_like(ratio))
+    expected = policy_loss(LOGP, OLD, ADV, MASK, eps_clip=0.2, eps_clip_high=None).loss * weight
+    assert math.isclose(float(parts["pg_loss"]), _sample_mean(expected), rel_tol=1e-6)
+    assert float(parts["ice_clipfrac"]) == 0.25  # one of two tokens of sample 1: (0 + 0.5) / 2
+
+
+def test_custom_tis_function_with_the_wrong_signature_is_refused(make_module):
+    from slime.backends.megatron.train import load_tis_function
+    from slime.plugins import PluginError
+
+    mod = make_module("def tis(args, pg_loss):\n    return pg_loss, None, {}\n")
+    with pytest.raises(PluginError, match="--custom-tis-function-path"):
+        load_tis_function(f"{mod}.tis")
