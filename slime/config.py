@@ -253,6 +253,9 @@ class AlgorithmConfig(_Section):
     custom_tis_function_path: str | None = Field(
         None, description="with use_tis: slime's TIS function fn(args=, pg_loss=, train_log_probs=, rollout_log_probs="
                           ", loss_masks=, total_lengths=, response_lengths=) -> (pg_loss, loss_masks, metrics)")
+    custom_pg_loss_reducer_function_path: str | None = Field(
+        None, description="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
+                          "for pg_loss only (slime's); other terms keep the default reduction")
     get_mismatch_metrics: bool = Field(False, description="log train/mismatch/{tis,tis_clipfrac,tis_abs,ois}: the "
                                                           "trainer/engine importance ratios (no reweighting here)")
     use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")

@@ -97,7 +97,6 @@ REFUSED: dict[str, str] = {
     "ref_update_interval": "updating the reference model from the actor is not built here",
     "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
     "use_stateless_adam": "stateless Adam is not built here",
-    "custom_pg_loss_reducer_function_path": "a custom pg-loss reducer hook is not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
     "use_opd": _NO_OPD,

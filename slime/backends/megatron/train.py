@@ -56,7 +56,7 @@ from slime.backends.megatron.forward import check_single_stage
 from slime.backends.megatron.logprobs import response_log_probs
 from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
 from slime.errors import ConfigError, DataFormatError
-from slime.plugins import PluginError, load_function
+from slime.plugins import PluginError, load_function, load_plugin_field
 from slime.types import Sample
 
 # slime calls its TIS function with these keywords only (`tis_func(**tis_kwargs)`)
@@ -109,6 +109,9 @@ class StepSettings:
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
     # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
     custom_tis: Callable[..., Any] | None = None
+    # slime's --custom-pg-loss-reducer-function-path: fn(total_lengths, response_lengths, loss_masks,
+    # calculate_per_token_loss) -> reducer(flat per-token values) -> sum of sample means (or of tokens)
+    pg_loss_reducer: Callable[..., Any] | None = None
 
     @classmethod
     def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
@@ -119,7 +122,12 @@ class StepSettings:
         if a.custom_tis_function_path:
             args = config.as_namespace()
             custom_tis = partial(load_tis_function(a.custom_tis_function_path), args=args)
-        return cls(custom_tis=custom_tis, loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
+        reducer = None
+        if a.custom_pg_loss_reducer_function_path:
+            reducer = load_plugin_field(config.as_namespace(), "custom_pg_loss_reducer_function_path",
+                                        ["total_lengths", "response_lengths", "loss_masks",
+                                         "calculate_per_token_loss"], is_async=False)
+        return cls(custom_tis=custom_tis, pg_loss_reducer=reducer, loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
                    use_dynamic_batch_size=t.use_dynamic_batch_size, max_tokens_per_gpu=t.max_tokens_per_gpu,
                    temperature=config.rollout.rollout_temperature, advantage_estimator=a.advantage_estimator,
                    eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
@@ -209,7 +217,14 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         parts["mismatch/tis_abs"] = reduce((raw - 1).abs(), mask)
         parts["mismatch/ois"] = reduce(torch.exp(torch.where(mask, logp.float() - old.float(), 0.0)), mask)
         parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
-    pg_loss = reduce(pg, mask)
+    if s.pg_loss_reducer is not None:  # slime's reducer gives a sum of sample means (or of tokens): normalise
+        lengths = [int(n) for n in micro.batch.response_lengths]
+        reducer = s.pg_loss_reducer([int(p) + n for p, n in zip(micro.batch.prompt_lengths, lengths, strict=True)],
+                                    lengths, [mask[i, :n].int() for i, n in enumerate(lengths)],
+                                    s.calculate_per_token_loss)
+        pg_loss = reducer(_flat(pg, lengths)) / (step.num_tokens if s.calculate_per_token_loss else step.num_samples)
+    else:
+        pg_loss = reduce(pg, mask)
     entropy_loss = reduce(entropy, mask)
     total = pg_loss - s.entropy_coef * entropy_loss if s.entropy_coef else pg_loss
     parts.update(pg_loss=pg_loss, entropy_loss=entropy_loss)
@@ -223,6 +238,11 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
     return total, parts
 
 
+def _flat(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`[b, R]` -> slime's layout: each row's first `lengths[i]` values, one row after the other."""
+    return torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+
+
 def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, train_old: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Call a slime TIS function on slime's layout (per-token values of the micro-batch's responses, one after
@@ -231,7 +251,7 @@ def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, tra
     rows = range(len(lengths))
 
     def flat(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[i, : lengths[i]] for i in rows])
+        return _flat(x, lengths)
 
     def padded(values: torch.Tensor) -> torch.Tensor:
         out, start = torch.zeros_like(pg), 0

@@ -137,3 +137,43 @@ def test_custom_tis_function_with_the_wrong_signature_is_refused(make_module):
     mod = make_module("def tis(args, pg_loss):\n    return pg_loss, None, {}\n")
     with pytest.raises(PluginError, match="--custom-tis-function-path"):
         load_tis_function(f"{mod}.tis")
+
+
+REDUCERS = '''
+import torch
+
+
+def sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """slime's default reduction written as a custom reducer: the same pg_loss as the built-in one."""
+    def reduce(x):
+        parts = torch.split(x, response_lengths)
+        return sum((p * m).sum() / m.sum().clamp_min(1) for p, m in zip(parts, loss_masks))
+    return reduce
+
+
+def sum_of_sample_max(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    return lambda x: sum(p.max() for p in torch.split(x, response_lengths))
+'''
+
+
+def test_custom_pg_loss_reducer(make_module):
+    from slime.backends.megatron.logprobs import PaddedBatch
+    from slime.config import load_config
+
+    mod = make_module(REDUCERS)
+    batch = PaddedBatch(tokens=torch.zeros(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([3, 2]),
+                        response_lengths=torch.tensor([2, 2]))
+    micro = MicroBatch(indices=[0, 1], batch=batch, loss_mask=MASK, advantages=ADV, rollout_log_probs=None,
+                       old_log_probs=OLD, ref_log_probs=None, returns=None, old_values=None)
+
+    def pg_loss(reducer: str | None) -> float:
+        flags = ["--custom-pg-loss-reducer-function-path", f"{mod}.{reducer}"] if reducer else []
+        settings = StepSettings.from_config(load_config(None, flags))
+        step = _Step(settings, vocab_size=8, num_samples=2, num_tokens=4, scale=1.0)
+        return float(_policy_terms(step, micro, LOGP, torch.zeros(2, 2), MASK)[1]["pg_loss"])
+
+    assert math.isclose(pg_loss("sum_of_sample_mean"), pg_loss(None), rel_tol=1e-6)
+    from slime.algorithms.policy_loss import policy_loss
+
+    per_token = policy_loss(LOGP, OLD, ADV, MASK, eps_clip=0.2, eps_clip_high=None).loss
+    assert math.isclose(pg_loss("sum_of_sample_max"), float(per_token.max(-1).values.sum()) / 2, rel_tol=1e-6)
