@@ -256,6 +256,9 @@ class AlgorithmConfig(_Section):
     custom_pg_loss_reducer_function_path: str | None = Field(
         None, description="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
                           "for pg_loss only (slime's); other terms keep the default reduction")
+    use_rollout_entropy: bool = Field(False, description="also compute the actor's per-token entropy in the "
+                                                         "log-prob pass: rollout/entropy, rollout_data['entropy'] for "
+                                                         "the data hooks")
     get_mismatch_metrics: bool = Field(False, description="log train/mismatch/{tis,tis_clipfrac,tis_abs,ois}: the "
                                                           "trainer/engine importance ratios (no reweighting here)")
     use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")

@@ -95,7 +95,6 @@ REFUSED: dict[str, str] = {
     "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
                                               "loss without them)",
     "ref_update_interval": "updating the reference model from the actor is not built here",
-    "use_rollout_entropy": "entropy of the actor and reference passes is not computed here",
     "use_stateless_adam": "stateless Adam is not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,

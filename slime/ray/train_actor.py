@@ -307,15 +307,18 @@ class TrainActor:
                         pad_token_id=self.tokenizer.pad_token_id or 0)
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(c.as_namespace(), self.models, "")
-        old = compute_log_probs(self.models, mine, **batching).log_probs
+        actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+        old = actor.log_probs
         ref = None
         if self.ref_models:
             if self.hooks.before_log_prob is not None:
                 self.hooks.before_log_prob(c.as_namespace(), self.ref_models, "ref_")
             ref = compute_log_probs(self.ref_models, mine, **batching).log_probs
         old_padded, mask = stack_rows(mine, old)
-        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens
-        sums = torch.zeros(6, dtype=torch.float64)
+        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy
+        sums = torch.zeros(7, dtype=torch.float64)
+        if actor.entropies is not None:  # --use-rollout-entropy
+            sums[6] = float(stack_rows(mine, actor.entropies)[0][mask].sum())
         kl = torch.zeros_like(old_padded)
         if ref is not None:
             kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
@@ -331,6 +334,8 @@ class TrainActor:
         hooks = self.hooks
         data = self._rollout_data(mine, old, ref, split_rows(kl, mine)) if hooks.advantage or \
             hooks.rollout_data_postprocess else {}
+        if data and actor.entropies is not None:
+            data["entropy"] = actor.entropies
         if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
             hooks.advantage(c.as_namespace(), data)
             per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
@@ -357,6 +362,8 @@ class TrainActor:
             stats["train/train_rollout_logprob_abs_diff"] = float(sums[0] / sums[1])
         if ref is not None:
             stats["rollout/kl"] = float(sums[2]) / tokens
+        if actor.entropies is not None:
+            stats["rollout/entropy"] = float(sums[6]) / tokens
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
 
     def _rollout_data(self, mine: list[Any], old: list[Any], ref: list[Any] | None, kl: list[Any]) -> dict[str, Any]:

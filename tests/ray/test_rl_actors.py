@@ -160,6 +160,7 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     hooked.train.custom_advantage_function_path = "ray_plugins.constant_advantages"
     hooked.train.rollout_data_postprocess_path = "ray_plugins.double_advantages"
     hooked.train.freeze_params_name_list = ["word_embeddings"]  # partial training
+    hooked.algorithm.use_rollout_entropy = True
     metrics = train_one_rank(hooked, placement, uri)
     assert metrics["train/steps"] == 2
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -170,7 +171,8 @@ def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_pat
     advantage, postprocess = calls[3:5]
     assert advantage["hook"] == "advantage" and advantage["samples"] == ROLLOUT_BATCH * GROUP
     assert {"rewards", "log_probs", "ref_log_probs", "kl", "loss_masks", "response_lengths",
-            "total_lengths"} <= set(advantage["keys"]) and advantage["lengths_match"]
+            "total_lengths", "entropy"} <= set(advantage["keys"]) and advantage["lengths_match"]
+    assert 0 < metrics["rollout/entropy"] < 20  # nats per token of a 4M-parameter model (--use-rollout-entropy)
     assert postprocess == {"hook": "postprocess", "rollout_id": 10}
     assert metrics["rollout/advantages"] == pytest.approx(2.0)  # the hook's 1, doubled by the post-process
     steps = calls[5:]
