@@ -89,6 +89,22 @@ class RunConfig(_Section):
                                                     "environment tokens, rounds per sample")
     log_reward_category: str | None = Field(None, description="log error_cat/<value>: the share of samples whose dict "
                                                               "reward has each value under this key")
+    debug_rollout_only: bool = Field(False, description="mapped: `slime rl` generates rollouts (and evals) into "
+                                                        "the store without a trainer")
+    debug_train_only: bool = Field(False, description="mapped: `slime rl` trains on stored rollouts "
+                                                      "(load_debug_rollout_data) without engines")
+    load_debug_rollout_data: str | None = Field(None, description="mapped: URI template of committed rollout shard "
+                                                                  "sets, {rollout_id} formatted; implies "
+                                                                  "debug_train_only")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _load_implies_train_only(cls, data: Any) -> Any:
+        """slime: replaying stored rollouts starts no engines."""
+        if isinstance(data, dict) and data.get("load_debug_rollout_data") and data.get("debug_train_only") is None:
+            data = {**data, "debug_train_only": True}
+        return data
+
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
                                              " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
     ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")
@@ -927,6 +943,12 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    if config.run.debug_rollout_only and config.run.debug_train_only:
+        fail("run.debug_train_only", "debug_rollout_only and debug_train_only exclude each other (slime)",
+             "run.debug_rollout_only", "run.load_debug_rollout_data")
+    if config.run.debug_train_only and not config.run.load_debug_rollout_data:
+        fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
+             "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
         fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
     s = config.sync

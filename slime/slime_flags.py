@@ -130,11 +130,6 @@ REFUSED: dict[str, str] = {
     "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
     "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
     "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
-    "debug_rollout_only": "the RL stage always trains; rollouts alone are `slime rejection-sampling` (sample and "
-                          "score into the store) or `slime evaluate`",
-    "debug_train_only": "the RL stage always generates; training alone on stored data is `slime sft`",
-    "load_debug_rollout_data": "replaying dumped rollouts is not built here (rollouts are Arrow shard sets in the "
-                               "store)",
 }
 
 # flag -> how this project does the job (accepted; logged once when set)
@@ -144,6 +139,14 @@ MAPPED: dict[str, str] = {
                                "is written",
     "save_debug_train_data": "the trainer's input is the committed rollout shard set, kept in the store; the "
                              "trainer's per-step tensors are recomputed from it; no .pt dump is written",
+    "debug_rollout_only": "debug modes are ways of running the RL stage here: it generates rollouts (and evals) "
+                          "into the store as committed shard sets, with no trainer, save or weight sync (the "
+                          "engines keep the HF weights)",
+    "debug_train_only": "debug modes are ways of running the RL stage here: it trains on stored rollout shard sets "
+                        "(--load-debug-rollout-data) with no engines, so no weight sync or eval",
+    "load_debug_rollout_data": "slime's .pt dumps are the store's rollout shard sets here: a URI template with "
+                               "{rollout_id} (e.g. runs/RUN/rollout/{rollout_id:06d}) of committed shard sets, "
+                               "trained on in place of generating (implies --debug-train-only)",
     "dump_details": "the store keeps what slime's detail dump holds: every rollout shard set "
                     "({store}/{run_id}/rollout/), checkpoint, eval shard set and metrics.jsonl line; no separate "
                     "dump is written",

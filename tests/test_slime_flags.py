@@ -32,6 +32,7 @@ COMPANIONS: dict[str, list[str]] = {
     "--save-interval": ["--save", "/tmp/ckpt"],
     "--kl-loss-coef": ["--use-kl-loss"],
     "--custom-tis-function-path": ["--use-tis"],
+    "--debug-train-only": ["--load-debug-rollout-data", "runs/r/rollout/{rollout_id:06d}"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "1024"],
     "--rollout-max-prompt-len": ["--hf-checkpoint", "/tmp/hf"],
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
@@ -161,7 +162,7 @@ def test_mapped_flag_is_logged_once(caplog):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="slime.config"):
             load_config(None, example_args(flag))
-        lines = [r.getMessage() for r in caplog.records if flag.flag in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{flag.flag}:")]
         assert len(lines) == 1 and MAPPED[name] in lines[0]
 
 
