@@ -21,6 +21,7 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -28,9 +29,20 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from slime.errors import ConfigError
+from slime.slime_flags import MAPPED, REFUSED, flag_table_markdown
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- sections
 
@@ -53,6 +65,77 @@ class RunConfig(_Section):
                                                      "tensorboard package)")
     tensorboard_dir: str | None = Field(None, description="local TensorBoard log dir; None: {store}/{run_id}/rl/"
                                                           "tensorboard (local stores only)")
+    tb_project_name: str | None = Field(None, description="slime's TensorBoard naming: when tensorboard_dir is unset, "
+                                                          "logs go to tensorboard_log/{project}/{experiment}")
+    tb_experiment_name: str | None = Field(None, description="with tb_project_name; None: the run_id (slime: a "
+                                                             "timestamp)")
+    train_backend: Literal["megatron"] = Field("megatron", description="slime's trainer choice; Megatron is the one "
+                                                                       "this project has")
+    custom_config_path: str | None = Field(None, description="YAML of extra attributes plugins find on `args` "
+                                                             "(slime's --custom-config-path); config field names "
+                                                             "are refused")
+    save_debug_rollout_data: str | None = Field(None, description="mapped: every rollout is committed to the store "
+                                                                  "as a shard set; no .pt dump is written")
+    save_debug_train_data: str | None = Field(None, description="mapped: the trainer's input is the committed "
+                                                                "rollout shard set; no .pt dump is written")
+    dump_details: str | None = Field(None, description="mapped: the store keeps every rollout shard set, checkpoint, "
+                                                       "eval and metrics line of the run")
+    use_wandb: bool = Field(False, description="`slime rl`: also log step metrics to W&B with slime's names and "
+                                               "step axes (slime/rl/tracking.py; needs the wandb package)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="None: wandb's default (WANDB_MODE, else online); offline writes {wandb_dir}/wandb/")
+    wandb_dir: str | None = Field(None, description="where W&B writes its files; None: ./wandb")
+    wandb_key: str | None = Field(None, exclude=True, description="W&B API key for online mode (never stored "
+                                                                  "with the config)")
+    wandb_host: str | None = Field(None, description="W&B server URL for the login")
+    wandb_team: str | None = Field(None, description="W&B entity")
+    wandb_group: str | None = Field(None, description="W&B group; None: the run_id; a random suffix is added")
+    wandb_project: str | None = None
+    disable_wandb_random_suffix: bool = Field(False, description="W&B group and run name without slime's random "
+                                                                 "6-character suffix")
+    wandb_always_use_train_step: bool = Field(False, description="W&B: every metric against train/step (default: "
+                                                                 "rollout/step except train/*)")
+    wandb_run_id: str | None = Field(None, description="continue this W&B run (resume 'allow')")
+    log_passrate: bool = Field(False, description="log passrate/pass@k (k = 1, 2, 4 ... group size) of every "
+                                                  "rollout, reward 1 counting as correct")
+    log_multi_turn: bool = Field(False, description="log multi_turn/*: response lengths with and without "
+                                                    "environment tokens, rounds per sample")
+    log_reward_category: str | None = Field(None, description="log error_cat/<value>: the share of samples whose dict "
+                                                              "reward has each value under this key")
+    debug_rollout_only: bool = Field(False, description="mapped: `slime rl` generates rollouts (and evals) into "
+                                                        "the store without a trainer")
+    debug_train_only: bool = Field(False, description="mapped: `slime rl` trains on stored rollouts "
+                                                      "(load_debug_rollout_data) without engines")
+    load_debug_rollout_data: str | None = Field(None, description="mapped: URI template of committed rollout shard "
+                                                                  "sets, {rollout_id} formatted; implies "
+                                                                  "debug_train_only")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _load_implies_train_only(cls, data: Any) -> Any:
+        """slime: replaying stored rollouts starts no engines."""
+        if isinstance(data, dict) and data.get("load_debug_rollout_data") and data.get("debug_train_only") is None:
+            data = {**data, "debug_train_only": True}
+        return data
+
+    ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
+                                             " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
+    ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")
+    ci_train_rollout_logprob_abs_diff_threshold: float = Field(
+        0.1, ge=0, description="ci_test: bound on train/train_rollout_logprob_abs_diff")
+    ci_save_grad_norm: str | None = Field(None, description="save each step's grad norm to this path template "
+                                                            "({role}, {rollout_id}, {step_id}), JSON")
+    ci_load_grad_norm: str | None = Field(None, description="compare each step's grad norm with the one saved at "
+                                                            "this template (tolerance 0.01)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_from_tb_names(cls, data: Any) -> Any:
+        """slime's --tb-project-name/--tb-experiment-name give the TensorBoard directory when none is set."""
+        if isinstance(data, dict) and data.get("tb_project_name") and not data.get("tensorboard_dir"):
+            experiment = data.get("tb_experiment_name") or data.get("run_id") or "default"
+            data = {**data, "tensorboard_dir": f"tensorboard_log/{data['tb_project_name']}/{experiment}"}
+        return data
 
     @field_validator("run_id")
     @classmethod
@@ -73,9 +156,22 @@ class ClusterConfig(_Section):
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
     num_gpus_per_node: int = Field(8, ge=1)
     colocate: bool = Field(False, description="train and rollout share GPUs (implies both offloads)")
+    offload: bool = Field(False, description="slime's shorthand: offload_train and offload_rollout both true")
     offload_train: bool | None = Field(None, description="None: same as colocate")
     offload_rollout: bool | None = Field(None, description="None: same as colocate")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
+    distributed_timeout_minutes: int = Field(10, ge=1, description="the train ranks' torch.distributed timeout")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _offload_sets_both(cls, data: Any) -> Any:
+        """slime: --offload is --offload-train plus --offload-rollout; an explicit false of either conflicts."""
+        if isinstance(data, dict) and data.get("offload"):
+            off = [n for n in ("offload_train", "offload_rollout") if data.get(n) is False]
+            if off:
+                raise ValueError(f"offload is set but {off[0]} is false: offload means both offloads")
+            data = {**data, "offload_train": True, "offload_rollout": True}
+        return data
 
 
 class CheckpointConfig(_Section):
@@ -90,6 +186,8 @@ class CheckpointConfig(_Section):
     save_interval: int | None = Field(None, ge=1, description="RL: save every N rollouts, and at the "
                                                               "end (SFT: sft_save_interval)")
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
+    ref_ckpt_step: int | None = Field(None, ge=0, description="load iteration N of ref_load (default: its newest "
+                                                              "committed checkpoint)")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
     dist_ckpt_optim_fully_reshardable: bool = Field(
@@ -137,6 +235,19 @@ class RolloutConfig(_Section):
     buffer_filter_path: str | None = None
     rollout_sample_filter_path: str | None = None
     rollout_all_samples_process_path: str | None = None
+    rollout_sample_hook_path: list[str] = Field(default_factory=list, description="hook(args, sample, *, rollout_id, "
+                                                "evaluation) -> Sample or None on each generated sample before its "
+                                                "reward; sync or async; repeat the flag for several")
+    custom_rollout_log_function_path: str | None = Field(None, description="log(rollout_id, args, samples, "
+                                                         "rollout_extra_metrics, rollout_time) -> bool; true: the "
+                                                         "step's default rollout/* metrics are not logged")
+    custom_eval_rollout_log_function_path: str | None = Field(None, description="log(rollout_id, args, data, "
+                                                              "extra_metrics) -> bool; true: the default eval/* "
+                                                              "metrics are not logged")
+    eval_function_path: str | None = Field(None, description="rollout function for eval, called with evaluation="
+                                                             "True; None: rollout_function_path")
+    rollout_data_transport: Literal["object-store", "nixl"] = Field(
+        "object-store", description="mapped: rollout data reaches the trainer as an Arrow shard set in the store")
 
 
 class RewardConfig(_Section):
@@ -178,6 +289,21 @@ class AlgorithmConfig(_Section):
     tis_clip: float = Field(2.0, gt=0)
     tis_clip_low: float = Field(0.0, ge=0)
     calculate_per_token_loss: bool = False
+    custom_tis_function_path: str | None = Field(
+        None, description="with use_tis: slime's TIS function fn(args=, pg_loss=, train_log_probs=, rollout_log_probs="
+                          ", loss_masks=, total_lengths=, response_lengths=) -> (pg_loss, loss_masks, metrics)")
+    custom_pg_loss_reducer_function_path: str | None = Field(
+        None, description="fn(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
+                          "for pg_loss only (slime's); other terms keep the default reduction")
+    use_rollout_entropy: bool = Field(False, description="also compute the actor's per-token entropy in the "
+                                                         "log-prob pass: rollout/entropy, rollout_data['entropy'] for "
+                                                         "the data hooks")
+    get_mismatch_metrics: bool = Field(False, description="log train/mismatch/{tis,tis_clipfrac,tis_abs,ois}: the "
+                                                          "trainer/engine importance ratios (no reweighting here)")
+    use_unbiased_kl: bool = Field(False, description="KL loss weighted by the importance ratio pi / pi_old")
+    use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
+                                              "negative advantage whose mean old - new log-prob exceeds opsm_delta")
+    opsm_delta: float = Field(1e-4, ge=0, description="OPSM's sequence-KL threshold")
 
 
 class TrainConfig(_Section):
@@ -207,6 +333,28 @@ class TrainConfig(_Section):
     lr_warmup_init: float = Field(0.0, ge=0, description="learning rate of the first warmup step")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data-parallel ranks "
                                                                "(megatron DistributedOptimizer)")
+    train_env_vars: dict[str, str] = Field(default_factory=dict, description="environment variables of the train "
+                                                                             "rank processes (Ray runtime_env)")
+    log_probs_max_tokens_per_gpu: int | None = Field(None, ge=1, description="dynamic batch size of the log-prob "
+                                                     "passes (no backward: may be larger); None: max_tokens_per_gpu")
+    only_train_params_name_list: list[str] | None = Field(None, description="regexes of the Megatron parameter "
+                                                          "names to train; every other parameter is frozen")
+    freeze_params_name_list: list[str] | None = Field(None, description="regexes of the Megatron parameter names "
+                                                      "to freeze (slime/backends/megatron/freeze.py)")
+    reset_optimizer_states: bool = Field(False, description="zero Adam's step and moments after each rollout's "
+                                                            "training")
+    custom_advantage_function_path: str | None = Field(
+        None, description="fn(args, rollout_data) sets advantages and returns, instead of the estimator "
+                          "(slime/backends/megatron/hooks.py)")
+    rollout_data_postprocess_path: str | None = Field(
+        None, description="fn(args, rollout_id, rollout_data) after the advantages; may change advantages and "
+                          "loss_masks")
+    custom_megatron_init_path: str | None = Field(None, description="init(args), after Megatron's process groups "
+                                                                    "(slime/backends/megatron/hooks.py)")
+    custom_megatron_before_log_prob_hook_path: str | None = Field(
+        None, description="hook(args, model, store_prefix) before each log-prob pass ('' actor, 'ref_' reference)")
+    custom_megatron_before_train_step_hook_path: str | None = Field(
+        None, description="hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each step")
 
 
 class SftConfig(_Section):
@@ -272,6 +420,13 @@ class EvalConfig(_Section):
     eval_max_response_len: int | None = Field(None, ge=1)
     eval_input_key: str | None = None
     eval_label_key: str | None = None
+    eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
+    eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
+                                                          "reward_key")
+    eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
+                                                                    "tokens (needs hf_checkpoint's tokenizer)")
+    eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
+                                                                    "min_new_tokens)")
     eval_num_engines: int = Field(1, ge=1, description="`slime evaluate`: inference engines started for the eval")
     eval_watch_run: str | None = Field(None, description="`slime evaluate`: evaluate the newest committed "
                                                          "checkpoint of this run (same store) instead of --load; "
@@ -314,6 +469,39 @@ class SyncConfig(_Section):
     weight_sync_mode: Literal["auto", "disk", "tensor", "distributed"] = Field(
         "auto", description="auto: tensor when colocated, distributed otherwise (docs/sync.md)")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="distributed mode: process-group timeout")
+    update_weight_transport: Literal["nccl", "disk"] | None = Field(
+        None, description="slime's carrier flag: nccl is weight_sync_mode distributed, disk is disk; None: "
+                          "weight_sync_mode decides")
+    update_weight_mode: Literal["full", "delta"] = Field("full", description="full: every sync sends every "
+                                                                             "parameter; delta (disk mode): only the "
+                                                                             "changed bytes (slime/sync/delta.py)")
+    update_weight_delta_encoding: Literal["xor", "overwrite"] = Field(
+        "xor", description="delta: xor (new ^ old, apply once) or overwrite (changed positions and values)")
+    update_weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = Field(
+        "xxh3-128", description="delta: per-tensor checksum of the new bytes, checked when applied")
+    update_weight_local_checkpoint_dir: str | None = Field(
+        None, description="delta: the full HF checkpoint the deltas patch and the engines reload (same file system "
+                          "as trainer rank 0 here)")
+    update_weight_disk_keep_files: bool = Field(False, description="disk mode: keep every weight_version_* "
+                                                                   "directory (default: only the newest)")
+    custom_update_weight_post_write_path: str | None = Field(
+        None, description="disk mode: hook(args, version_dir, rollout_engines) after the files are written, before "
+                          "engines read them; rollout_engines are the engine URLs")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_from_transport(cls, data: Any) -> Any:
+        """--update-weight-transport picks weight_sync_mode unless that is set to something else."""
+        transport = data.get("update_weight_transport") if isinstance(data, dict) else None
+        if transport:
+            mode = {"nccl": "distributed", "disk": "disk"}[transport] if transport in ("nccl", "disk") else None
+            given = data.get("weight_sync_mode", "auto")
+            if mode and given not in ("auto", mode):
+                raise ValueError(f"update_weight_transport {transport} means weight_sync_mode {mode}, but "
+                                 f"weight_sync_mode is {given}")
+            if mode:
+                data = {**data, "weight_sync_mode": mode}
+        return data
 
 
 class KitConfig(_Section):
@@ -395,6 +583,8 @@ class Config(BaseModel):
         flat.update({f"router_{k}": v for k, v in self.router.items()})
         for key, value in self.megatron.items():
             flat.setdefault(key, value)
+        if self.run.custom_config_path:  # slime sets these on args after parsing
+            flat.update(read_custom_config(self.run.custom_config_path))
         return argparse.Namespace(**flat)
 
 
@@ -449,6 +639,7 @@ def reference_markdown() -> str:
         "(checked against megatron-core's `TransformerConfig`, `OptimizerConfig`, "
         "`DistributedDataParallelConfig` and the scheduler flags) |",
         "",
+        flag_table_markdown(),
     ]
     return "\n".join(lines)
 
@@ -517,6 +708,8 @@ def _check_yaml_keys(data: dict[str, Any], where: dict[str, str]) -> None:
                 path = f"{key}.{name}"
                 if name in FIELD_SECTION:
                     hint = f"; it belongs under '{FIELD_SECTION[name]}:'"
+                elif name in REFUSED:
+                    hint = f"; slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}"
                 else:
                     hint = _suggest(name, [n for n, s in FIELD_SECTION.items() if s == key])
                 raise ConfigError(f"{where.get(path, path)}: unknown field {path!r}{hint}")
@@ -666,6 +859,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_validation_error(exc, where)) from None
     _validate(config, where)
     config._sources = where
+    _log_mapped(config, where)
     return config
 
 
@@ -692,6 +886,36 @@ def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
             continue
         value = values[name]
         values[name] = {k: resolve(v) for k, v in value.items()} if isinstance(value, dict) else resolve(value)
+
+
+def _log_mapped(config: Config, where: dict[str, str]) -> None:
+    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED)."""
+    for name, how in MAPPED.items():
+        section = getattr(config, FIELD_SECTION[name])
+        given = f"{FIELD_SECTION[name]}.{name}" in where
+        if given or getattr(section, name) != type(section).model_fields[name].default:
+            logger.info("--%s: %s", name.replace("_", "-"), how)
+
+
+def read_custom_config(path: str) -> dict[str, Any]:
+    """The attributes a --custom-config-path YAML adds to plugins' `args`; config field names are refused
+    (set those as flags: they are validated)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"custom_config_path {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"custom_config_path {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"custom_config_path {path}: expected a mapping of names to values, got "
+                          f"{type(data).__name__}")
+    typed = sorted(set(data) & set(FIELD_SECTION))
+    if typed:
+        raise ConfigError(f"custom_config_path {path}: {typed[0]!r} is a config field: set it as "
+                          f"--{typed[0].replace('_', '-')} (or {FIELD_SECTION[typed[0]]}.{typed[0]}), where it "
+                          "is validated")
+    return data
 
 
 def _format_validation_error(exc: ValidationError, where: dict[str, str]) -> str:
@@ -750,6 +974,8 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("algorithm.kl_loss_coef", "kl_loss_coef is set but use_kl_loss is false")
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         fail("algorithm.eps_clip_c", f"dual-clip constant must be > 1, got {a.eps_clip_c}")
+    if a.custom_tis_function_path and not a.use_tis:
+        fail("algorithm.custom_tis_function_path", "is applied with use_tis: set --use-tis too")
     if a.use_tis and a.tis_clip_low >= a.tis_clip:
         fail("algorithm.tis_clip_low", f"tis_clip_low {a.tis_clip_low} must be below tis_clip {a.tis_clip}")
     if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
@@ -790,6 +1016,40 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    if config.run.debug_rollout_only and config.run.debug_train_only:
+        fail("run.debug_train_only", "debug_rollout_only and debug_train_only exclude each other (slime)",
+             "run.debug_rollout_only", "run.load_debug_rollout_data")
+    if config.run.debug_train_only and not config.run.load_debug_rollout_data:
+        fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
+             "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
+    if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
+        fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
+    s = config.sync
+    for name in ("update_weight_disk_keep_files", "custom_update_weight_post_write_path"):
+        if getattr(s, name) and s.weight_sync_mode != "disk":
+            fail(f"sync.{name}", f"applies to disk weight sync: set weight_sync_mode disk (or "
+                 f"--update-weight-transport disk); it is {s.weight_sync_mode}")
+    if s.update_weight_mode == "delta":
+        if s.weight_sync_mode != "disk":
+            fail("sync.update_weight_mode", f"delta sync is disk only (as in slime): set weight_sync_mode disk (or "
+                 f"--update-weight-transport disk); it is {s.weight_sync_mode}")
+        if not s.update_weight_local_checkpoint_dir:
+            fail("sync.update_weight_mode", "delta sync needs update_weight_local_checkpoint_dir (the checkpoint the "
+                 "deltas patch)")
+    elif s.update_weight_local_checkpoint_dir:
+        fail("sync.update_weight_local_checkpoint_dir", "only used by delta sync (--update-weight-mode delta)")
+    if config.rollout.rollout_data_transport == "nixl":
+        fail("rollout.rollout_data_transport", "NIXL is not built here: rollout data reaches the trainer as an "
+             "Arrow shard set in the store (object-store)")
+    if config.run.custom_config_path:
+        try:
+            read_custom_config(config.run.custom_config_path)
+        except ConfigError as exc:
+            fail("run.custom_config_path", str(exc))
+    refused = sorted(set(config.megatron) & REFUSED.keys())
+    if refused:  # one of slime's own flags this project does not do: say why rather than pass it on
+        name = refused[0]
+        fail(f"megatron.{name}", f"slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}")
     typed = sorted(set(config.megatron) & set(FIELD_SECTION))
     if typed:  # e.g. `megatron: {lr_decay_style: cosine}`: the typed field is the one the trainer reads
         name = typed[0]

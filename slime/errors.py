@@ -74,3 +74,8 @@ class InputNotFoundError(ConfigError, FileNotFoundError):
 
 class RunInUseError(StorageError):
     """Another process holds the run's lease (one writer per run); the message names it (host, pid, since)."""
+
+
+class InvariantError(SlimeError, RuntimeError):
+    """A `--ci-test` invariant of a run does not hold (e.g. trainer and engine log-probs disagree); the
+    message names the check, the rollout and step, the value and its bound."""

@@ -43,6 +43,20 @@ def load_function(path: str) -> Callable[..., Any]:
     return fn
 
 
+def load_plugin_field(args: Any, field: str, params: list[str], *, is_async: bool | None) -> Callable[..., Any] | None:
+    """The function `args.<field>` names, loaded and checked to take `params` (None when the field is
+    unset); errors name the field and its flag."""
+    path = getattr(args, field, None)
+    if not path:
+        return None
+    try:
+        fn = load_function(path)
+        check_signature(fn, path, params, is_async=is_async)
+    except PluginError as e:
+        raise PluginError(f"{field} (--{field.replace('_', '-')}): {e}") from e
+    return fn
+
+
 def _is_async(fn: Callable[..., Any]) -> bool:
     # A callable object counts as async when its __call__ is `async def`.
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)

@@ -48,6 +48,7 @@ def run_sft(config: Config) -> dict[str, Any]:
         load_checkpoint,
         load_model_checkpoint,
     )
+    from slime.backends.megatron.freeze import freeze_callback
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.convert import megatron_dtype
@@ -80,7 +81,9 @@ def run_sft(config: Config) -> dict[str, Any]:
 
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, megatron_dtype(config))
-    models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer)
+    models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,
+                         post_create=freeze_callback(config.train.only_train_params_name_list,
+                                                     config.train.freeze_params_name_list))
     optimizer, scheduler = build_optimizer_and_scheduler(models, config, total_steps)
     if resume_from is not None:
         state = load_checkpoint(models, resume_from, optimizer, scheduler)

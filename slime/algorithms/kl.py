@@ -10,8 +10,8 @@ With ``log_ratio = log pi(x) - log pi_ref(x)`` for a token x sampled from pi (Sc
 
 The clamp is applied to ``low_var_kl`` only, as slime does (``compute_approx_kl`` in
 THUDM/slime ``slime/utils/ppo_utils.py``); the arithmetic runs in float32 as there.
-slime's optional importance ratio for the unbiased KL (``--use-unbiased-kl``) is left out:
-multiply the result by ``exp(log_probs - old_log_probs)`` to get it.
+slime's optional importance ratio for the unbiased KL (``--use-unbiased-kl``) is applied by the train
+step (``slime.backends.megatron.train``): the result times ``exp(log_probs - old_log_probs)``.
 """
 
 from __future__ import annotations

@@ -189,6 +189,29 @@ def tis_weights(
     return torch.exp(log_ratio).clamp(clip_low, clip_high)
 
 
+def opsm_keep(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (OPSM; slime's ``compute_opsm_mask``): drop the policy loss of a sequence
+    whose advantage is negative and whose policy has drifted, i.e. mean_t (old_t - logp_t) > delta.
+
+    Args:
+        log_probs, old_log_probs, advantages: ``[B, T]``.
+        mask: ``[B, T]`` trained tokens; the sequence KL averages over them (at least 1 token).
+        delta: ``opsm_delta``.
+    Returns:
+        ``[B, T]`` float32, 0 on the tokens of a masked sequence with a negative advantage, else 1.
+    """
+    m = mask.float()
+    seq_kl = ((old_log_probs.detach().float() - log_probs.detach().float()) * m).sum(-1) / m.sum(-1).clamp_min(1)
+    drop = (advantages.float() < 0) & (seq_kl > delta).unsqueeze(-1)
+    return 1.0 - drop.float()
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

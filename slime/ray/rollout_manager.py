@@ -38,6 +38,7 @@ from slime.config import Config
 from slime.engines.fleet import LIVE, EngineFleet
 from slime.engines.health import HealthMonitor
 from slime.errors import ConfigError, EngineError
+from slime.rollout.outputs import flatten
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class RolloutManager:
         self.args: Any = None
         self.data_source: Any = None
         self.rollout_fn: Any = None
+        self.eval_fn: Any = None  # eval_function_path, else rollout_fn
+        self.log_fns: tuple[Any, Any] = (None, None)  # custom rollout / eval log functions
 
     @property
     def router(self) -> Any:
@@ -80,6 +83,7 @@ class RolloutManager:
 
         from slime.data.source import RolloutDataSource
         from slime.rollout import load_rollout_function, rollout_args
+        from slime.rollout.hooks import load_eval_function, load_log_functions
 
         c = self.config
         c.require("checkpoint.hf_checkpoint", "run.run_id", stage="rl")
@@ -92,6 +96,8 @@ class RolloutManager:
             tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
             self.data_source = RolloutDataSource.from_config(c, tokenizer)
             self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
+            self.eval_fn = load_eval_function(self.args)
+            self.log_fns = load_log_functions(self.args)
         except BaseException:
             self.dispose()
             raise
@@ -148,6 +154,9 @@ class RolloutManager:
         from slime.sync.syncer import resolve_mode
 
         s = self.config.sync
+        if s.update_weight_mode == "delta":  # the local checkpoint holds the newest version
+            path = Path(s.update_weight_local_checkpoint_dir)
+            return path if (path / "config.json").is_file() else None
         if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.colocate) != "disk":
             return None
         path = weights_dir(s.update_weight_disk_dir, version)
@@ -201,8 +210,12 @@ class RolloutManager:
         out = self.rollout_fn(self.args, rollout_id, self.data_source)
         metrics = dict(out.metrics)
         uri = metrics.get("rollout/uri") or write_rollout(self.args, rollout_id, out.samples, [], _scalars(metrics))
+        rollout_time = time.monotonic() - t0
+        if self.log_fns[0] is not None and self.log_fns[0](rollout_id, self.args, flatten(out.samples), metrics,
+                                                           rollout_time):
+            metrics = {}  # slime: the custom log function did the logging; the step keeps what the loop needs
         metrics["rollout/uri"] = uri
-        metrics["perf/rollout_time"] = time.monotonic() - t0
+        metrics["perf/rollout_time"] = rollout_time
         restarts = self.fleet.restarts
         metrics["rollout/engine_restarts"] = restarts - self._restarts_reported  # since the last step's
         self._restarts_reported = restarts
@@ -219,8 +232,10 @@ class RolloutManager:
         """Evaluate on the eval datasets (`eval.*`); the metrics (the store holds the samples)."""
         t0 = time.monotonic()
         self._check_serving()
-        out = self.rollout_fn(self.args, rollout_id, self.data_source, evaluation=True)
+        out = self.eval_fn(self.args, rollout_id, self.data_source, evaluation=True)
         metrics = _scalars(dict(out.metrics))
+        if self.log_fns[1] is not None and self.log_fns[1](rollout_id, self.args, out.data, metrics):
+            metrics = {}  # slime: the custom eval log function did the logging
         metrics["perf/eval_time"] = time.monotonic() - t0
         return metrics
 

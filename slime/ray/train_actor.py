@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from slime.config import Config
-from slime.errors import ConfigError, DataFormatError
+from slime.errors import ConfigError, DataFormatError, NotCommittedError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class TrainActor:
         self.loaded_extra_state: dict[str, Any] = {}
         self.offloaded = False
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
+        self.hooks: Any = None  # slime.backends.megatron.hooks.MegatronHooks, loaded by init
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -104,6 +105,8 @@ class TrainActor:
         from transformers import AutoTokenizer
 
         from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+        from slime.backends.megatron.freeze import freeze_callback
+        from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.convert import megatron_dtype
 
@@ -115,12 +118,18 @@ class TrainActor:
         if c.algorithm.loss_type != "policy_loss":
             raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
                               "policy_loss only")
-        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method)
+        self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
+        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method,
+                      timeout_minutes=c.cluster.distributed_timeout_minutes)
+        if self.hooks.init is not None:
+            self.hooks.init(c.as_namespace())
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.bridge = make_bridge(hf_dir, megatron_dtype(c))
         self.models = build_model(self.bridge, wrap_with_ddp=True,
-                                  use_distributed_optimizer=c.train.use_distributed_optimizer)
+                                  use_distributed_optimizer=c.train.use_distributed_optimizer,
+                                  post_create=freeze_callback(c.train.only_train_params_name_list,
+                                                              c.train.freeze_params_name_list))
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(self.models, c, total_train_steps(c))
         start = self._load_weights()
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
@@ -161,19 +170,32 @@ class TrainActor:
             logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
             return state.iteration + 1
         if ck.ref_load:
-            load_model_checkpoint(self.models, resolve_checkpoint(ck.ref_load))
+            load_model_checkpoint(self.models, self._ref_checkpoint())
         else:
             self.bridge.load_weights(self.models, ck.hf_checkpoint)
         self.optimizer.reload_model_params()  # the main params from the loaded weights, as above
         return 0
 
+    def _ref_checkpoint(self) -> str:
+        """The checkpoint `ref_load` names: its iteration `ref_ckpt_step` when set, else its newest committed."""
+        from slime.backends.megatron.checkpoint import iteration_dir
+        from slime.export import resolve_checkpoint
+        from slime.storage import is_committed
+
+        ck = self.config.checkpoint
+        if ck.ref_ckpt_step is None:
+            return resolve_checkpoint(ck.ref_load)
+        path = iteration_dir(ck.ref_load, ck.ref_ckpt_step)
+        if not is_committed(path):
+            raise NotCommittedError(f"ref_ckpt_step {ck.ref_ckpt_step}: {path} is not a committed checkpoint")
+        return path
+
     def _load_reference(self) -> None:
         from slime.backends.megatron.checkpoint import load_model_checkpoint
-        from slime.export import resolve_checkpoint
 
         ck = self.config.checkpoint
         if ck.ref_load:
-            load_model_checkpoint(self.ref_models, resolve_checkpoint(ck.ref_load))
+            load_model_checkpoint(self.ref_models, self._ref_checkpoint())
         else:
             self.bridge.load_weights(self.ref_models, ck.hf_checkpoint)
         for model in self.ref_models:
@@ -202,21 +224,29 @@ class TrainActor:
         shares = rank_share(samples, steps, self.rank, self.world_size)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
-        arrays, stats = self._arrays(mine)
+        arrays, stats = self._arrays(rollout_id, mine)
         t2 = time.monotonic()
         settings = StepSettings.from_config(c)
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
-        for share in shares:
+        for step_id, share in enumerate(shares):
             part = _slice_arrays(arrays, start, start + len(share))
             start += len(share)
+            if self.hooks.before_train_step is not None:
+                self.hooks.before_train_step(c.as_namespace(), rollout_id, step_id, self.models, self.optimizer,
+                                             self.scheduler)
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
+        if c.train.reset_optimizer_states:
+            from slime.backends.megatron.optimizer import reset_optimizer_states
+
+            reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         metrics.update(stats)
+        self._ci_checks(rollout_id, rows, metrics)
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
                         "rollout/raw_reward": sum(raw) / len(raw),
                         "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
@@ -224,6 +254,23 @@ class TrainActor:
         logger.info("rank %d rollout %d: %d steps, loss %.4f, grad_norm %.4f, %.2f s", self.rank, rollout_id,
                     steps, metrics.get("train/loss", math.nan), metrics.get("train/grad_norm", math.nan), t3 - t0)
         return metrics
+
+    def _ci_checks(self, rollout_id: int, rows: list[dict[str, float]], metrics: dict[str, float]) -> None:
+        """slime's --ci-test invariants and grad-norm save/compare (slime.rl.ci); raise InvariantError."""
+        from slime.rl.ci import check_ci, check_grad_norms, save_grad_norms
+
+        run = self.config.run
+        if run.ci_test:
+            first = rows[0] if rows else {}
+            check_ci(self.config.as_namespace(), rollout_id, first, metrics)
+            logger.info("rank %d rollout %d: --ci-test invariants hold (logprob gap %.3g, first-step ppo_kl %.3g)",
+                        self.rank, rollout_id, metrics.get("train/train_rollout_logprob_abs_diff", math.nan),
+                        first.get("ppo_kl", math.nan))
+        grad_norms = [row["grad_norm"] for row in rows]
+        if run.ci_save_grad_norm and self.rank == 0:
+            save_grad_norms(run.ci_save_grad_norm, rollout_id, grad_norms)
+        elif run.ci_load_grad_norm:
+            check_grad_norms(run.ci_load_grad_norm, rollout_id, grad_norms)
 
     def _rewards(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
         """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
@@ -247,7 +294,7 @@ class TrainActor:
                                       disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
         return raw.tolist(), normalize_group_rewards(raw, n, **how._asdict()).tolist()
 
-    def _arrays(self, mine: list[Any]) -> tuple[Any, dict[str, float]]:
+    def _arrays(self, rollout_id: int, mine: list[Any]) -> tuple[Any, dict[str, float]]:
         """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics."""
         import torch
 
@@ -260,12 +307,22 @@ class TrainActor:
         c, a, t = self.config, self.config.algorithm, self.config.train
         batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
-                        max_tokens_per_gpu=t.max_tokens_per_gpu, pad_token_id=self.tokenizer.pad_token_id or 0)
-        old = compute_log_probs(self.models, mine, **batching).log_probs
-        ref = compute_log_probs(self.ref_models, mine, **batching).log_probs if self.ref_models else None
+                        max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
+                        pad_token_id=self.tokenizer.pad_token_id or 0)
+        if self.hooks.before_log_prob is not None:
+            self.hooks.before_log_prob(c.as_namespace(), self.models, "")
+        actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+        old = actor.log_probs
+        ref = None
+        if self.ref_models:
+            if self.hooks.before_log_prob is not None:
+                self.hooks.before_log_prob(c.as_namespace(), self.ref_models, "ref_")
+            ref = compute_log_probs(self.ref_models, mine, **batching).log_probs
         old_padded, mask = stack_rows(mine, old)
-        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens
-        sums = torch.zeros(6, dtype=torch.float64)
+        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy
+        sums = torch.zeros(7, dtype=torch.float64)
+        if actor.entropies is not None:  # --use-rollout-entropy
+            sums[6] = float(stack_rows(mine, actor.entropies)[0][mask].sum())
         kl = torch.zeros_like(old_padded)
         if ref is not None:
             kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
@@ -278,9 +335,27 @@ class TrainActor:
                 sums[0] += float(diff[m].sum())
                 sums[1] += float(m.sum())
         rewards = torch.tensor([s.metadata["normalized_reward"] for s in mine], dtype=torch.float32)
-        advantages, _ = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
-                                           gamma=a.gamma, lambd=a.lambd)
-        per_sample = split_rows(advantages, mine)
+        hooks = self.hooks
+        data = self._rollout_data(mine, old, ref, split_rows(kl, mine)) if hooks.advantage or \
+            hooks.rollout_data_postprocess else {}
+        if data and actor.entropies is not None:
+            data["entropy"] = actor.entropies
+        if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
+            hooks.advantage(c.as_namespace(), data)
+            per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
+        else:
+            advantages, returns = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
+                                                     gamma=a.gamma, lambd=a.lambd)
+            per_sample = split_rows(advantages, mine)
+            if data:
+                data["returns"] = None if returns is None else split_rows(returns, mine)
+        if hooks.rollout_data_postprocess is not None:  # slime: may rewrite advantages and loss masks
+            data["advantages"] = per_sample
+            hooks.rollout_data_postprocess(c.as_namespace(), rollout_id, data)
+            per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
+            for sample, m in zip(mine, data["loss_masks"], strict=True):
+                sample.loss_mask = [int(v) for v in torch.as_tensor(m).tolist()]
+            _, mask = stack_rows(mine)
         if a.normalize_advantages:
             per_sample = whiten_over_dp(mine, per_sample)
         sums[4] = float(stack_rows(mine, per_sample)[0][mask].sum())
@@ -291,7 +366,25 @@ class TrainActor:
             stats["train/train_rollout_logprob_abs_diff"] = float(sums[0] / sums[1])
         if ref is not None:
             stats["rollout/kl"] = float(sums[2]) / tokens
+        if actor.entropies is not None:
+            stats["rollout/entropy"] = float(sums[6]) / tokens
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _rollout_data(self, mine: list[Any], old: list[Any], ref: list[Any] | None, kl: list[Any]) -> dict[str, Any]:
+        """This rank's samples as slime's `rollout_data` lists (what its advantage/post-process hooks get)."""
+        import torch
+
+        return {
+            "rewards": [s.metadata["normalized_reward"] for s in mine],
+            "raw_reward": [float(s.get_reward_value(self.config.as_namespace())) for s in mine],
+            "log_probs": old, "ref_log_probs": ref, "kl": kl,
+            "rollout_log_probs": [None if s.rollout_log_probs is None else
+                                  torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in mine],
+            "loss_masks": [torch.tensor(s.loss_mask or [1] * s.response_length, dtype=torch.int32) for s in mine],
+            "response_lengths": [s.response_length for s in mine],
+            "total_lengths": [len(s.tokens) for s in mine],
+            "tokens": [torch.tensor(s.tokens) for s in mine],
+        }
 
     # ------------------------------------------------------------------------- checkpoints, memory, sync
 
@@ -356,10 +449,12 @@ class TrainActor:
             import ray
 
             from slime.sync import WeightSyncer
+            from slime.sync.disk import post_write_hook
 
             self.syncer = WeightSyncer(self.config.sync, colocated=self.config.cluster.colocate,
                                        hf_config=self.bridge.hf_config,
-                                       master_address=ray.util.get_node_ip_address())
+                                       master_address=ray.util.get_node_ip_address(),
+                                       post_write=post_write_hook(self.config.as_namespace()))
         result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
         return {**result.metrics(), "sync/weight_version": result.weight_version}
 

@@ -35,7 +35,8 @@ class TrainGroup:
                                   f"{len(placement.plan.train_bundles)} train bundles")
         remote = ray.remote(TrainActor)
         payload = config.model_dump(mode="json")
-        self.actors = [remote.options(**placement.train_options(rank)).remote(payload, rank, self.world_size)
+        env = {"runtime_env": {"env_vars": dict(config.train.train_env_vars)}} if config.train.train_env_vars else {}
+        self.actors = [remote.options(**placement.train_options(rank), **env).remote(payload, rank, self.world_size)
                        for rank in range(self.world_size)]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -32,6 +32,7 @@ from slime.config import Config
 from slime.errors import ConfigError
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
+from slime.rl.tracking import WandbLogger, check_wandb
 from slime.signals import keep_sigterm_handler, unwrap_signal_errors
 from slime.storage import ArtifactStore
 from slime.storage.fs import is_local, open_fs
@@ -57,8 +58,12 @@ def _offloads(config: Config) -> tuple[bool, bool]:
 
 def check_rl_config(config: Config) -> None:
     """Everything the loop needs, checked before any process starts."""
-    config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
-                   stage=STAGE)
+    if config.run.debug_train_only:  # slime's debug mode: stored rollouts, no engines, so no prompts either
+        config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "rollout.num_rollout",
+                       stage=STAGE)
+    else:
+        config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
+                       stage=STAGE)
     if config.rollout.num_rollout is None and config.data.num_epoch is None:
         raise ConfigError("stage 'rl' needs rollout.num_rollout (--num-rollout) or data.num_epoch (--num-epoch)")
     e = config.eval
@@ -70,6 +75,7 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
                           "false (engines cannot release their memory during a rollout)")
     check_tensorboard(config.run.use_tensorboard)
+    check_wandb(config)
     from slime.rollout.hooks import check_rollout_plugins  # imports the user's plugin modules
 
     check_rollout_plugins(config, load_tokenizer=False)  # here, before Ray: a bad plugin path is one line, not a Ray actor's traceback
@@ -141,17 +147,20 @@ class RLLoop:
         c = self.config
         self.connect()
         self.placement = create_placement(c.cluster)
-        self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
-            c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir)
-        started = ray.get(self.manager.start.remote())
+        started: dict[str, Any] = {"router_url": None, "worker_urls": []}
+        if not c.run.debug_train_only:  # slime's --debug-train-only: no engines
+            self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
+                c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir)
+            started = ray.get(self.manager.start.remote())
         self.worker_urls = started["worker_urls"]
         self.num_rollout = self._resolve_num_rollout()
-        self.train_group = TrainGroup(c, self.placement)
-        self.start_rollout_id = self.train_group.init()
+        if not c.run.debug_rollout_only:  # slime's --debug-rollout-only: no trainer
+            self.train_group = TrainGroup(c, self.placement)
+            self.start_rollout_id = self.train_group.init()
         extra: dict[str, Any] = {}
         if self.start_rollout_id > 0:
             extra = self.train_group.extra_state()
-            if "data_source" in extra:
+            if "data_source" in extra and self.manager is not None:
                 ray.get(self.manager.load_data_source_state.remote(extra["data_source"]))
             else:
                 logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
@@ -163,14 +172,16 @@ class RLLoop:
             read_metrics(self.metrics_uri, self.store.storage_options) else None
         moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
                                       redo_start_eval=tail is not None)
-        sync = self._update_weights(self.start_rollout_id)  # engines start from the HF weights: align them
-        if self.offload_train:
+        debug = c.run.debug_rollout_only or c.run.debug_train_only  # one side only: nothing to sync
+        sync = {} if debug else self._update_weights(self.start_rollout_id)  # engines start from HF: align them
+        if self.offload_train and self.train_group is not None:
             self.train_group.offload()
         tensorboard = None
         if c.run.use_tensorboard:
             tensorboard = c.run.tensorboard_dir or open_fs(
                 self.store.uri(c.run.run_id, STAGE, "tensorboard"), self.store.storage_options)[1]
-        self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard)
+        self.metrics_log = MetricsLog(self.metrics_uri, self.store.storage_options, tensorboard,
+                                      WandbLogger(c) if c.run.use_wandb else None)
         if tail is not None:
             self._finish_step(tail, extra.get("step_record"), sync)
         result = {"start_rollout_id": self.start_rollout_id, "num_rollout": self.num_rollout,
@@ -233,19 +244,35 @@ class RLLoop:
         import ray
 
         t0 = time.monotonic()
-        uri, metrics = self._collect(rollout_id)
+        if self.config.run.debug_train_only:
+            uri, metrics = self._stored_rollout(rollout_id), {}
+        else:
+            uri, metrics = self._collect(rollout_id)
         wait = time.monotonic() - t0
         if self.config.sync.async_mode and rollout_id + 1 < self.num_rollout:
             self._launch(rollout_id + 1)
-        if self.offload_rollout:
+        if self.offload_rollout and self.manager is not None:
             metrics.update(ray.get(self.manager.offload.remote()))
         metrics["perf/rollout_wait_s"] = wait
         self._step(rollout_id).update(metrics)
         return {"rollout_id": rollout_id, "uri": uri, "wait_s": wait, **headline(metrics)}
 
+    def _stored_rollout(self, rollout_id: int) -> str:
+        """--load-debug-rollout-data: the committed shard set its template names for `rollout_id`."""
+        from slime.errors import NotCommittedError
+        from slime.storage import is_committed
+
+        uri = self.config.run.load_debug_rollout_data.format(rollout_id=rollout_id)
+        if not is_committed(uri, self.store.storage_options):
+            raise NotCommittedError(f"--load-debug-rollout-data: rollout {rollout_id}: {uri} is not a committed "
+                                    "rollout shard set")
+        return uri
+
     @unwrap_signal_errors
     def train(self, rollout_id: int, uri: str) -> dict[str, Any]:
         """Train on the shard set `uri`; the train group's global metrics."""
+        if self.train_group is None:  # --debug-rollout-only
+            return {"rollout_id": rollout_id, "trained": False}
         if self.offload_train:
             self.train_group.onload()
         metrics = self.train_group.train(rollout_id, uri)
@@ -253,6 +280,8 @@ class RLLoop:
         return {"rollout_id": rollout_id, **jsonable(metrics)}
 
     def sync_due(self, rollout_id: int) -> bool:
+        if self.train_group is None or self.manager is None:  # a debug mode: one side only
+            return False
         return (rollout_id + 1) % self.config.sync.update_weights_interval == 0 or self.eval_due(rollout_id)
 
     @unwrap_signal_errors
@@ -262,7 +291,7 @@ class RLLoop:
         import ray
 
         metrics: dict[str, Any] = {}
-        if self.offload_rollout:
+        if self.offload_rollout and self.manager is not None:
             metrics.update(ray.get(self.manager.onload.remote()))
         synced = self.sync_due(rollout_id)
         if synced:
@@ -274,7 +303,7 @@ class RLLoop:
                 self._ready[nxt] = ray.get(generate)
                 metrics["perf/wait_inflight_rollout_s"] = time.monotonic() - t0
             metrics.update(self._update_weights(nxt))
-        if self.offload_train:
+        if self.offload_train and self.train_group is not None:
             self.train_group.offload()
         metrics["weight_version"] = self.weight_version
         self._step(rollout_id).update(metrics)
@@ -298,6 +327,8 @@ class RLLoop:
         return metrics
 
     def eval_due(self, rollout_id: int, before_train: bool = False) -> bool:
+        if self.manager is None:  # --debug-train-only: no engines to evaluate with
+            return False
         e = self.config.eval
         if before_train:
             return bool(e.eval_interval) and rollout_id == 0 and not e.skip_eval_before_train
@@ -318,6 +349,8 @@ class RLLoop:
         return {"rollout_id": rollout_id, "evaluated": True, **jsonable(metrics)}
 
     def save_due(self, rollout_id: int) -> bool:
+        if self.train_group is None:  # --debug-rollout-only: nothing trained
+            return False
         ck = self.config.checkpoint
         return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout)
                                   or rollout_id + 1 == self.num_rollout)
@@ -331,7 +364,8 @@ class RLLoop:
         if not self.save_due(rollout_id):
             return {"rollout_id": rollout_id, "saved": False}
         t0 = time.monotonic()
-        state = ray.get(self._states[rollout_id])
+        ref = self._states.get(rollout_id)  # none with --debug-train-only: no data source
+        state = ray.get(ref) if ref is not None else {}
         # weight_version: of the saved weights (trained through this rollout), what a resumed run syncs
         # step_record: the step's rollout and train metrics, for a resume that must write its line
         extra = {"rollout_id": rollout_id, "data_source": state, "weight_version": rollout_id + 1,

@@ -103,10 +103,12 @@ def check_tensorboard(enabled: bool) -> None:
 
 
 class MetricsLog:
-    """Appends step records to `uri` (any fsspec URL) and mirrors scalars to TensorBoard when asked."""
+    """Appends step records to `uri` (any fsspec URL) and mirrors scalars to TensorBoard and W&B
+    (`slime.rl.tracking.WandbLogger`) when asked."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, wandb: Any = None) -> None:
+        self.wandb = wandb
         self.uri = uri
         self.storage_options = storage_options or {}
         self.fs, self.path = open_fs(uri, self.storage_options)
@@ -133,8 +135,13 @@ class MetricsLog:
                 if isinstance(value, int | float) and not isinstance(value, bool) and key != "rollout_id":
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

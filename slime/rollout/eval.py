@@ -158,8 +158,9 @@ def load_dataset(args: Any, ds: EvalDatasetConfig) -> list[Sample]:
         input_key=ds.setting("input_key", args, "eval_input_key", "input_key") or "prompt",
         label_key=ds.setting("label_key", args, "eval_label_key", "label_key"),
         metadata_key=ds.setting("metadata_key", args, "metadata_key"),
-        tool_key=ds.setting("tool_key", args, "tool_key"),
-        tokenizer=tokenizer_of(args) if apply_template else None,
+        tool_key=ds.setting("tool_key", args, "eval_tool_key", "tool_key"),
+        tokenizer=tokenizer_of(args) if apply_template or getattr(args, "eval_max_prompt_len", None) else None,
+        max_prompt_len=getattr(args, "eval_max_prompt_len", None),
         apply_chat_template=apply_template,
         apply_chat_template_kwargs=getattr(args, "apply_chat_template_kwargs", None) or None,
         storage_options=getattr(args, "storage_options", None) or None,
@@ -230,7 +231,8 @@ async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
     tasks: dict[str, list[asyncio.Task]] = {}
     states = []
     for ds in datasets:
-        state = GenerateState(dataset_args(args, ds), plugins, len(urls), evaluation=True, semaphore=semaphore)
+        state = GenerateState(dataset_args(args, ds), plugins, len(urls), evaluation=True, semaphore=semaphore,
+                              rollout_id=rollout_id)
         states.append(state)
         params = dataset_sampling_params(args, ds)
         n = ds.setting("n_samples_per_eval_prompt", args, "n_samples_per_eval_prompt") or 1

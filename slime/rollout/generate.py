@@ -51,6 +51,7 @@ def sampling_params_from_args(args: Any, *, evaluation: bool = False) -> dict[st
         "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", None),
         "no_stop_trim": True,
         "spaces_between_special_tokens": False,
+        "min_new_tokens": getattr(args, "eval_min_new_tokens", None) if evaluation else None,
     }
     return {k: v for k, v in params.items() if v is not None}
 

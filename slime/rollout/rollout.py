@@ -39,7 +39,7 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, EngineError
-from slime.rollout.eval import eval_rollout
+from slime.rollout.eval import eval_rollout, pass_at_k
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
 from slime.rollout.hooks import check_rollout_plugins
@@ -96,7 +96,59 @@ def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: 
     metrics["rollout/samples/aborted"] = counts["aborted_samples"]
     for reason, n in reasons.items():
         metrics[f"rollout/dynamic_filter/drop_{reason}"] = n
+    if getattr(args, "log_passrate", False):
+        metrics.update(passrate_metrics(args, kept))
+    if getattr(args, "log_reward_category", None):
+        metrics.update(reward_category_metrics(samples, args.log_reward_category))
+    if getattr(args, "log_multi_turn", False):
+        metrics.update(multi_turn_metrics(samples, getattr(args, "rollout_max_response_len", None)))
     return metrics
+
+
+def multi_turn_metrics(samples: list[Sample], max_response_len: int | None) -> dict[str, float]:
+    """slime's --log-multi-turn: response lengths with and without the environment's tokens (loss mask 0)
+    and the number of rounds (`metadata["round_number"]`, slime's key, else `metadata["turns"]`, this
+    project's multi-turn example's), under `multi_turn/`."""
+    if not samples:
+        return {}
+    raw = [s.response_length for s in samples]
+    own = [sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples]
+    out = {"multi_turn/raw_response_length/response_length_mean": statistics.fmean(raw),
+           "multi_turn/raw_response_length/response_length_max": max(raw),
+           "multi_turn/raw_response_length/response_length_min": min(raw),
+           "multi_turn/wo_obs_response_length/response_length_mean": statistics.fmean(own),
+           "multi_turn/wo_obs_response_length/response_length_max": max(own),
+           "multi_turn/wo_obs_response_length/response_length_min": min(own)}
+    if max_response_len:
+        out["multi_turn/raw_response_length/response_length_clip_ratio"] = \
+            sum(n >= max_response_len for n in raw) / len(raw)
+    rounds = [r for s in samples if (r := s.metadata.get("round_number", s.metadata.get("turns"))) is not None]
+    if rounds:
+        out.update({"multi_turn/multi_turn_metric/round_number_mean": statistics.fmean(rounds),
+                    "multi_turn/multi_turn_metric/round_number_max": max(rounds),
+                    "multi_turn/multi_turn_metric/round_number_min": min(rounds)})
+    return out
+
+
+def passrate_metrics(args: Any, kept: list[list[Any]]) -> dict[str, float]:
+    """slime's --log-passrate: `passrate/pass@k` for k = 1, 2, 4, ... up to the group size, a sample
+    counting as correct when its reward is 1 (unbiased estimator, averaged over groups)."""
+    per_group = [rewards for g in kept if (rewards := _reward_value(args, g))]
+    size = min((len(r) for r in per_group), default=1)
+    out: dict[str, float] = {}
+    k = 1
+    while k <= size and size > 1:
+        out[f"passrate/pass@{k}"] = statistics.fmean(
+            pass_at_k(len(r), sum(1 for v in r if v == 1), k) for r in per_group)
+        k *= 2
+    return out
+
+
+def reward_category_metrics(samples: list[Sample], key: str) -> dict[str, float]:
+    """slime's --log-reward-category: `error_cat/<category>`, the share of samples whose dict reward has
+    that value under `key`."""
+    categories = Counter(str(s.reward[key]) for s in samples if isinstance(s.reward, dict) and key in s.reward)
+    return {f"error_cat/{category}": n / max(1, len(samples)) for category, n in categories.items()}
 
 
 async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> RolloutFnTrainOutput:
@@ -119,7 +171,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         raise RolloutEngineError(f"cannot list the workers of router {url}: {e}") from e
     if not urls:
         raise RolloutEngineError(f"router {url} has no worker registered")
-    state = GenerateState(args, plugins, len(urls))
+    state = GenerateState(args, plugins, len(urls), rollout_id=rollout_id)
     params = sampling_params_from_args(args)
     partial = bool(getattr(args, "partial_rollout", False))
     max_failed_in_a_row = max(target, over)

@@ -16,7 +16,7 @@ from typing import Any
 
 from slime.errors import EngineError
 from slime.rollout.generate import sample_seed, tokenizer_of, truncate_response
-from slime.rollout.hooks import RolloutPlugins, accepts_evaluation, load_generate_function
+from slime.rollout.hooks import RolloutPlugins, accepts_evaluation, apply_sample_hooks, load_generate_function
 from slime.rollout.http import abort_all, engine_client, running_requests
 from slime.rollout.outputs import flatten
 from slime.rollout.rewards import reward_samples
@@ -35,10 +35,11 @@ class GenerateState:
     """What one rollout (or eval) shares between its group tasks: plugins, the semaphore, the abort flag."""
 
     def __init__(self, args: Any, plugins: RolloutPlugins, num_engines: int, *, evaluation: bool = False,
-                 semaphore: asyncio.Semaphore | None = None) -> None:
+                 semaphore: asyncio.Semaphore | None = None, rollout_id: int | None = None) -> None:
         self.args = args
         self.plugins = plugins
         self.evaluation = evaluation
+        self.rollout_id = rollout_id  # what rollout sample hooks are told
         # slime: sglang_server_concurrency x engines requests in flight (shared when given, e.g. by eval)
         self.semaphore = semaphore or asyncio.Semaphore(max(1, args.sglang_server_concurrency * max(1, num_engines)))
         self.aborted = False
@@ -85,6 +86,15 @@ class GenerateState:
         for out in outputs:
             self._truncate(out, sampling_params.get("max_new_tokens", self.max_response_len))
         self.new_tokens += max(0, sum(o.response_length for o in outputs) - before)
+        if self.plugins.sample_hooks:  # slime: after generate, before the reward
+            try:
+                outputs = [await apply_sample_hooks(self.plugins.sample_hooks, args, out, rollout_id=self.rollout_id,
+                                                    evaluation=self.evaluation) for out in outputs]
+            except Exception as exc:  # a plugin bug: this sample fails, the rollout goes on (as generate errors)
+                sample.status = Status.FAILED
+                sample.metadata["generate_error"] = f"rollout_sample_hook_path: {type(exc).__name__}: {exc}"
+                return sample
+            result = outputs if isinstance(result, list) else outputs[0]
         return result
 
     async def generate_group(self, group: list[Sample], sampling_params: dict[str, Any]) -> list[Any]:

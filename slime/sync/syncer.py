@@ -48,14 +48,25 @@ class WeightSyncer:
     """One per training run (the distributed mode keeps its process group between syncs)."""
 
     def __init__(self, config: SyncConfig, *, colocated: bool = False, hf_config: Any = None,
-                 master_address: str = "127.0.0.1", backend: str | None = None) -> None:
+                 master_address: str = "127.0.0.1", backend: str | None = None,
+                 post_write: Callable[[str, list[str]], Any] | None = None) -> None:
         self.config = config
         self.mode = resolve_mode(config, colocated)
         if self.mode == "disk":
             from slime.sync.disk import DiskSync
 
             directory = config.update_weight_disk_dir or tempfile.mkdtemp(prefix="slime-weights-")
-            self.transport: Any = DiskSync(directory, hf_config)
+            if config.update_weight_mode == "delta":
+                from slime.sync.delta import DeltaSync
+
+                self.transport: Any = DeltaSync(directory, config.update_weight_local_checkpoint_dir, hf_config,
+                                                encoding=config.update_weight_delta_encoding,
+                                                algorithm=config.update_weight_delta_checksum,
+                                                keep_files=config.update_weight_disk_keep_files,
+                                                post_write=post_write)
+            else:
+                self.transport = DiskSync(directory, hf_config, keep_files=config.update_weight_disk_keep_files,
+                                          post_write=post_write)
         elif self.mode == "tensor":
             from slime.sync.tensor import TensorSync
 

@@ -9,6 +9,7 @@ from slime.algorithms.policy_loss import (
     cispo_loss,
     entropy_from_logits,
     gspo_policy_loss,
+    opsm_keep,
     policy_loss,
     sft_loss,
     tis_weights,
@@ -238,3 +239,15 @@ def test_sft_loss():
 def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(OLD, OLD, torch.ones(2), FULL, eps_clip=0.2)
+
+
+def test_opsm_masks_drifted_sequences_with_negative_advantage():
+    # seq KL = mean over trained tokens of old - new: row 0: (0.3 + 0.1) / 2 = 0.2 (3rd token untrained);
+    # row 1: 0.0; row 2: 0.2 but a positive advantage
+    old = torch.tensor([[-1.0, -1.0, -9.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    new = torch.tensor([[-1.3, -1.1, 0.0], [-1.0, -1.0, -1.0], [-1.2, -1.2, -1.2]])
+    adv = torch.tensor([[-1.0] * 3, [-1.0] * 3, [1.0] * 3])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    keep = opsm_keep(new, old, adv, mask, delta=0.1)
+    assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    assert opsm_keep(new, old, adv, mask, delta=0.25).tolist() == [[1.0] * 3] * 3  # 0.2 is not above 0.25

@@ -33,7 +33,8 @@ def test_rl_flow_runs_steps_as_tasks_publishes_artifacts_and_resumes(prefect_api
     # every data path at the session's kit: tiny-cpu.yaml's own point at runs/tiny-kit, which make run builds
     overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--prompt-data", str(tiny_kit.train), "--num-rollout", "2", "--rollout-batch-size", "2",
                  "--global-batch-size", "8", "--micro-batch-size", "4", "--save-interval", "1",
-                 "--eval-interval", "2", "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]"]
+                 "--eval-interval", "2", "--eval-prompt-data", "arithmetic", f"{tiny_kit.eval}@[0:4]",
+                 "--ci-test"]  # slime's invariants: a run whose engines or KL drift fails here
     from slime.config import load_config
 
     config = load_config(str(TINY_CPU), overrides)

@@ -6,6 +6,8 @@ match the trainer's again; a checkpoint with the data-source state resumes at th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from rl_setup import EVAL_PROMPTS, GROUP, ROLLOUT_BATCH, check_first_step, rl_config, started_manager
 
@@ -137,6 +139,49 @@ def test_one_rank_trains_like_two(config, placement, trained):
     for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
                  "train/train_rollout_logprob_abs_diff"):
         assert alone[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.slow
+def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_path):
+    """--custom-megatron-init-path and the before-log-prob / before-train-step hooks, written to slime's
+    signatures (ray_plugins), run in the train rank at slime's points with slime's arguments."""
+    uri = trained[0]
+    log = tmp_path / "hooks.jsonl"
+    (tmp_path / "custom.yaml").write_text(f"hook_log: {log}\n")
+    hooked = config.model_copy(deep=True)
+    hooked.checkpoint.save = None  # start from scratch
+    hooked.algorithm.use_kl_loss = True  # a reference pass too
+    hooked.train.global_batch_size = ROLLOUT_BATCH * GROUP // 2  # two optimizer steps
+    hooked.run.custom_config_path = str(tmp_path / "custom.yaml")
+    hooked.train.custom_megatron_init_path = "ray_plugins.megatron_init"
+    hooked.train.custom_megatron_before_log_prob_hook_path = "ray_plugins.before_log_prob"
+    hooked.train.custom_megatron_before_train_step_hook_path = "ray_plugins.before_train_step"
+    hooked.train.train_env_vars = {"SLIME_HOOK_TEST": "from --train-env-vars"}
+    hooked.train.custom_advantage_function_path = "ray_plugins.constant_advantages"
+    hooked.train.rollout_data_postprocess_path = "ray_plugins.double_advantages"
+    hooked.train.freeze_params_name_list = ["word_embeddings"]  # partial training
+    hooked.algorithm.use_rollout_entropy = True
+    metrics = train_one_rank(hooked, placement, uri)
+    assert metrics["train/steps"] == 2
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0] == {"hook": "init", "dist_initialized": True, "seed": hooked.run.seed,
+                        "env": "from --train-env-vars"}
+    assert calls[1:3] == [{"hook": "log_prob", "store_prefix": "", "chunks": 1},
+                          {"hook": "log_prob", "store_prefix": "ref_", "chunks": 1}]
+    advantage, postprocess = calls[3:5]
+    assert advantage["hook"] == "advantage" and advantage["samples"] == ROLLOUT_BATCH * GROUP
+    assert {"rewards", "log_probs", "ref_log_probs", "kl", "loss_masks", "response_lengths",
+            "total_lengths", "entropy"} <= set(advantage["keys"]) and advantage["lengths_match"]
+    assert 0 < metrics["rollout/entropy"] < 20  # nats per token of a 4M-parameter model (--use-rollout-entropy)
+    assert postprocess == {"hook": "postprocess", "rollout_id": 10}
+    assert metrics["rollout/advantages"] == pytest.approx(2.0)  # the hook's 1, doubled by the post-process
+    steps = calls[5:]
+    assert [(c["hook"], c["rollout_id"], c["step_id"], c["chunks"]) for c in steps] == \
+        [("train_step", 10, 0, 1), ("train_step", 10, 1, 1)]
+    assert [c["scheduler_steps"] for c in steps] == [0, 1]  # called before each step's optimizer update
+    assert [[n.rsplit(".", 2)[-2] for n in c["frozen"]] for c in steps] == [["word_embeddings"]] * 2
+    assert steps[0]["embedding_sum"] == steps[1]["embedding_sum"]  # frozen: the first step left it
+    assert steps[0]["fc1_sum"] != steps[1]["fc1_sum"]  # trained
 
 
 @pytest.mark.slow

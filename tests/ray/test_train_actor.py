@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slime.config import Config
@@ -36,3 +38,24 @@ def test_each_step_is_split_round_robin_over_ranks():
     assert rank_share(samples, 1, 0, 1) == [samples]
     with pytest.raises(ConfigError, match="5 samples per optimizer step cannot be split over 2"):
         rank_share(samples, 2, 0, 2)
+
+
+def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
+    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.errors import NotCommittedError
+    from slime.ray.train_actor import TrainActor
+    from slime.storage import commit_directory
+
+    ref = str(tmp_path / "ref")
+    for step in (3, 7):
+        path = iteration_dir(ref, step)
+        Path(path).mkdir(parents=True)
+        (Path(path) / "weights").write_text(str(step))
+        commit_directory(path, "checkpoint")
+    config = Config.model_validate({"checkpoint": {"ref_load": ref}})
+    assert TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint() == iteration_dir(ref, 7)  # newest
+    config.checkpoint.ref_ckpt_step = 3
+    assert TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint() == iteration_dir(ref, 3)
+    config.checkpoint.ref_ckpt_step = 5
+    with pytest.raises(NotCommittedError, match="ref_ckpt_step 5: .* is not a committed checkpoint"):
+        TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint()

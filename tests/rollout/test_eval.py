@@ -80,3 +80,19 @@ def test_eval_config_errors_name_the_file_and_dataset(tmp_path, content, message
     with pytest.raises(ConfigError, match=message) as info:
         eval_datasets(Args())
     assert str(config) in str(info.value) or "more than once" in message
+
+
+def test_eval_max_prompt_len_and_tool_key_apply_to_eval_prompts(tiny_kit, tmp_path):
+    from slime.config import load_config
+    from slime.rollout.eval import EvalDatasetConfig, load_dataset
+
+    data = tmp_path / "eval.jsonl"
+    rows = [{"prompt": "1+1=", "label": "2", "my_tools": [{"name": "calc"}]},
+            {"prompt": "12345+67890+13579+24680=", "label": "x", "my_tools": []}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = EvalDatasetConfig(name="t", path=str(data))
+    base = ["--hf-checkpoint", str(tiny_kit.model_dir), "--eval-tool-key", "my_tools"]
+    everything = load_dataset(load_config(None, base).as_namespace(), ds)
+    assert len(everything) == 2 and everything[0].metadata["tools"] == [{"name": "calc"}]  # eval_tool_key's
+    short = load_dataset(load_config(None, [*base, "--eval-max-prompt-len", "8"]).as_namespace(), ds)
+    assert [s.prompt for s in short] == ["1+1="]

@@ -25,6 +25,7 @@ import logging
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ _LOCAL_TO_GLOBAL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = w
 
 
 def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, rank: int = 0,
-                  world_size: int = 1, init_method: str | None = None) -> None:
+                  world_size: int = 1, init_method: str | None = None, timeout_minutes: float = 10) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state for this rank.
 
     A single process (conversion, one-rank training) needs no arguments beyond the seed; data-parallel
@@ -71,7 +72,7 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{find_free_port()}",
-                                rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=10))
+                                rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     model_parallel_cuda_manual_seed(seed)
@@ -132,15 +133,18 @@ def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:
 
 
 def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = False,
-                use_distributed_optimizer: bool = False) -> list[torch.nn.Module]:
+                use_distributed_optimizer: bool = False,
+                post_create: Callable[..., None] | None = None) -> list[torch.nn.Module]:
     """The Megatron model chunks for `bridge`, loaded from the HF weights at `hf_dir` when given.
     With `wrap_with_ddp` they are wrapped in megatron DDP (gradient buffers), as training needs;
-    `use_distributed_optimizer` lays the buffers out for the DistributedOptimizer (DP > 1)."""
+    `use_distributed_optimizer` lays the buffers out for the DistributedOptimizer (DP > 1);
+    `post_create(model, **kw)` runs on each chunk before wrapping (e.g. `freeze.freeze_callback`)."""
     dtype = bridge.dtype
     ddp_config = ({"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer}
                   if wrap_with_ddp else None)
     models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config)
+                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config,
+                              post_model_creation_callbacks=[post_create] if post_create else [])
     if hf_dir is not None:
         bridge.load_weights(models, hf_dir)
     return models

@@ -136,6 +136,27 @@ def init_optimizer_state(optimizer: Any) -> None:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
+def reset_optimizer_states(optimizer: Any) -> None:
+    """slime's --reset-optimizer-states: every Adam step count and moment back to zero (at a rollout's end),
+    as if the optimizer were new; parameters and the LR schedule are left as they are."""
+    for inner in _leaves(optimizer):
+        torch_optimizer = inner.optimizer
+        if torch_optimizer is None:
+            continue
+        for group in torch_optimizer.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in torch_optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = 0
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].zero_()
+
+
 def untie_adam_steps(optimizer: Any) -> None:
     """Fix 3: each parameter gets its own `step` tensor (megatron's load assigns one shared tensor)."""
     for inner in _leaves(optimizer):

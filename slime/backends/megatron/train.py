@@ -30,7 +30,9 @@ rollout's.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -41,6 +43,7 @@ from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.policy_loss import (
     cispo_loss,
     gspo_policy_loss,
+    opsm_keep,
     policy_loss,
     sft_loss,
     tis_weights,
@@ -53,7 +56,25 @@ from slime.backends.megatron.forward import check_single_stage
 from slime.backends.megatron.logprobs import response_log_probs
 from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
 from slime.errors import ConfigError, DataFormatError
+from slime.plugins import PluginError, load_function, load_plugin_field
 from slime.types import Sample
+
+# slime calls its TIS function with these keywords only (`tis_func(**tis_kwargs)`)
+TIS_KEYWORDS = ("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks", "total_lengths",
+                "response_lengths")
+
+
+def load_tis_function(path: str) -> Callable[..., Any]:
+    """slime's --custom-tis-function-path, checked to take slime's keywords."""
+    fn = load_function(path)
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(TIS_KEYWORDS))
+    except TypeError as e:
+        raise PluginError(f"custom_tis_function_path (--custom-tis-function-path): plugin {path!r} cannot be called "
+                          f"as fn({', '.join(k + '=...' for k in TIS_KEYWORDS)}): {e}") from None
+    except ValueError:  # no inspectable signature
+        pass
+    return fn
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "value_loss")
 
@@ -81,20 +102,41 @@ class StepSettings:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     calculate_per_token_loss: bool = False
+    use_unbiased_kl: bool = False
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
+    get_mismatch_metrics: bool = False
+    # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
+    # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
+    custom_tis: Callable[..., Any] | None = None
+    # slime's --custom-pg-loss-reducer-function-path: fn(total_lengths, response_lengths, loss_masks,
+    # calculate_per_token_loss) -> reducer(flat per-token values) -> sum of sample means (or of tokens)
+    pg_loss_reducer: Callable[..., Any] | None = None
 
     @classmethod
     def from_config(cls, config: Any, loss_type: str | None = None) -> StepSettings:
         """Settings from the typed config (algorithm, train and rollout temperature); `loss_type`
         overrides `algorithm.loss_type` (the critic trains with value_loss)."""
         a, t = config.algorithm, config.train
-        return cls(loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
+        custom_tis = None
+        if a.custom_tis_function_path:
+            args = config.as_namespace()
+            custom_tis = partial(load_tis_function(a.custom_tis_function_path), args=args)
+        reducer = None
+        if a.custom_pg_loss_reducer_function_path:
+            reducer = load_plugin_field(config.as_namespace(), "custom_pg_loss_reducer_function_path",
+                                        ["total_lengths", "response_lengths", "loss_masks",
+                                         "calculate_per_token_loss"], is_async=False)
+        return cls(custom_tis=custom_tis, pg_loss_reducer=reducer, loss_type=loss_type or a.loss_type, micro_batch_size=t.micro_batch_size,
                    use_dynamic_batch_size=t.use_dynamic_batch_size, max_tokens_per_gpu=t.max_tokens_per_gpu,
                    temperature=config.rollout.rollout_temperature, advantage_estimator=a.advantage_estimator,
                    eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, eps_clip_c=a.eps_clip_c,
                    value_clip=a.value_clip, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
                    kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef,
                    use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
-                   tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss)
+                   tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss,
+                   use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
+                   get_mismatch_metrics=a.get_mismatch_metrics)
 
 
 def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
@@ -105,10 +147,12 @@ def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainAr
     if not samples:
         raise ConfigError("train_step needs at least one sample on every data-parallel rank")
     arrays.check(samples)
-    if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis):
+    if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis
+                                                or settings.get_mismatch_metrics):
         for sample in samples:
             if sample.rollout_log_probs is None:
-                flag = "use_rollout_logprobs" if settings.use_rollout_logprobs else "use_tis"
+                flag = "use_rollout_logprobs" if settings.use_rollout_logprobs else \
+                    "use_tis" if settings.use_tis else "get_mismatch_metrics"
                 raise DataFormatError(f"sample index={sample.index}: {flag} needs rollout_log_probs, which it lacks")
     if settings.loss_type == "policy_loss" and settings.use_kl_loss and arrays.ref_log_probs is None:
         raise ConfigError("use_kl_loss needs reference log-probs: pass TrainArrays.ref_log_probs "
@@ -149,22 +193,81 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         out = policy_loss(logp, old, micro.advantages, mask, eps_clip_c=s.eps_clip_c, **clip)
     pg = out.loss
     parts: dict[str, torch.Tensor] = {"pg_clipfrac": reduce(out.clipfrac, mask), "ppo_kl": reduce(out.ppo_kl, mask)}
-    if s.use_tis:
+    if s.use_opsm:  # slime: after the surrogate, before TIS
+        keep = opsm_keep(logp, old, micro.advantages, mask, s.opsm_delta)
+        pg = pg * keep
+        parts["opsm_clipfrac"] = reduce(1.0 - keep, mask)
+    if s.use_tis and s.custom_tis is not None:
+        pg, mask_after, tis_metrics = _custom_tis(s.custom_tis, micro, pg, train_old, mask)
+        pg = pg * mask_after  # rejected tokens add nothing; the denominators stay the original masks' (slime)
+        parts.update({k: reduce(v, mask) for k, v in tis_metrics.items()})
+        parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
+    elif s.use_tis:
         weights = tis_weights(train_old, micro.rollout_log_probs, s.tis_clip_low, s.tis_clip, mask)
         raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
         pg = pg * weights
         parts["tis"] = reduce(weights, mask)
         parts["tis_clipfrac"] = reduce((weights != raw).float(), mask)
         parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
-    pg_loss = reduce(pg, mask)
+    if s.get_mismatch_metrics:  # slime's mismatch metrics (its default TIS function's), without reweighting
+        raw = torch.exp(torch.where(mask, train_old.float() - micro.rollout_log_probs, 0.0))
+        clamped = raw.clamp(s.tis_clip_low, s.tis_clip)
+        parts["mismatch/tis"] = reduce(raw, mask)
+        parts["mismatch/tis_clipfrac"] = reduce((clamped != raw).float(), mask)
+        parts["mismatch/tis_abs"] = reduce((raw - 1).abs(), mask)
+        parts["mismatch/ois"] = reduce(torch.exp(torch.where(mask, logp.float() - old.float(), 0.0)), mask)
+        parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
+    if s.pg_loss_reducer is not None:  # slime's reducer gives a sum of sample means (or of tokens): normalise
+        lengths = [int(n) for n in micro.batch.response_lengths]
+        reducer = s.pg_loss_reducer([int(p) + n for p, n in zip(micro.batch.prompt_lengths, lengths, strict=True)],
+                                    lengths, [mask[i, :n].int() for i, n in enumerate(lengths)],
+                                    s.calculate_per_token_loss)
+        pg_loss = reducer(_flat(pg, lengths)) / (step.num_tokens if s.calculate_per_token_loss else step.num_samples)
+    else:
+        pg_loss = reduce(pg, mask)
     entropy_loss = reduce(entropy, mask)
     total = pg_loss - s.entropy_coef * entropy_loss if s.entropy_coef else pg_loss
     parts.update(pg_loss=pg_loss, entropy_loss=entropy_loss)
     if s.use_kl_loss:
-        kl_loss = reduce(compute_approx_kl(logp, micro.ref_log_probs, s.kl_loss_type), mask)
+        kl = compute_approx_kl(logp, micro.ref_log_probs, s.kl_loss_type)
+        if s.use_unbiased_kl:  # slime: weighted by the importance ratio pi / pi_old (with its gradient)
+            kl = kl * torch.exp(logp.float() - old.float())
+        kl_loss = reduce(kl, mask)
         total = total + s.kl_loss_coef * kl_loss
         parts["kl_loss"] = kl_loss
     return total, parts
+
+
+def _flat(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`[b, R]` -> slime's layout: each row's first `lengths[i]` values, one row after the other."""
+    return torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+
+
+def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, train_old: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Call a slime TIS function on slime's layout (per-token values of the micro-batch's responses, one after
+    the other; per-sample lists) and bring its loss, masks and metrics back to `[b, R]`."""
+    lengths = [int(n) for n in micro.batch.response_lengths]
+    rows = range(len(lengths))
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return _flat(x, lengths)
+
+    def padded(values: torch.Tensor) -> torch.Tensor:
+        out, start = torch.zeros_like(pg), 0
+        for i in rows:
+            out[i, : lengths[i]] = values[start: start + lengths[i]]
+            start += lengths[i]
+        return out
+
+    new_pg, masks, metrics = fn(
+        pg_loss=flat(pg), train_log_probs=[train_old[i, : lengths[i]] for i in rows],
+        rollout_log_probs=[micro.rollout_log_probs[i, : lengths[i]] for i in rows],
+        loss_masks=[mask[i, : lengths[i]].int() for i in rows],
+        total_lengths=[int(p) + lengths[i] for i, p in enumerate(micro.batch.prompt_lengths)],
+        response_lengths=lengths)
+    new_mask = padded(torch.cat([m.to(pg.dtype) for m in masks])) if masks is not None else mask.to(pg.dtype)
+    return padded(new_pg), new_mask, {k: padded(v.to(pg.dtype)) for k, v in metrics.items()}
 
 
 def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

@@ -1,0 +1,226 @@
+"""slime's own command-line flags and what this project does with each, so a slime launch script works here.
+
+`slime_flags.tsv` lists every flag THUDM/slime's `slime/utils/arguments.py` defines itself (not Megatron's
+nor SGLang's own), with slime's type, default and help, at the commit named in its header. Each flag ends
+in one of three states:
+
+* accepted: a config field of the same name with slime's meaning (`slime config reference` lists it), or
+  a Megatron flag the `megatron:` pass-through takes;
+* mapped: accepted, but this project does the job its own way (`MAPPED` says how; `load_config` logs it
+  once when the flag is set);
+* refused: `REFUSED` gives the one-line reason, naming what is missing; `load_config` raises a
+  `ConfigError` naming the flag instead of ignoring it.
+
+`DEFAULTS_DIFFER` lists the accepted flags whose default here is not slime's, and why.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE = Path(__file__).with_name("slime_flags.tsv")
+
+
+@dataclass(frozen=True)
+class SlimeFlag:
+    """One row of `slime_flags.tsv`: a flag as slime declares it."""
+
+    flag: str  # --rollout-batch-size
+    dest: str  # slime's args attribute (differs from the flag for its store_false --disable-* flags)
+    type: str  # int, float, str, bool, json.loads
+    default: str  # slime's default, as Python source
+    action: str
+    nargs: str
+    choices: str  # comma-separated
+    group: str  # slime's add_<group>_arguments
+    declared_by: str  # add_argument, or reset_arg (a Megatron flag slime re-declares or re-defaults)
+    help: str
+
+    @property
+    def name(self) -> str:
+        """The flag as a config field name: `--rollout-batch-size` -> rollout_batch_size."""
+        return self.flag[2:].replace("-", "_")
+
+
+@functools.cache
+def slime_flags() -> tuple[SlimeFlag, ...]:
+    """Every row of `slime_flags.tsv`, in slime's order."""
+    lines = [line for line in TABLE.read_text().splitlines() if line and not line.startswith("#")]
+    rows = list(csv.reader(lines[1:], delimiter="\t", quoting=csv.QUOTE_NONE))
+    return tuple(SlimeFlag(*row) for row in rows)
+
+
+def source_commit() -> str:
+    """The THUDM/slime commit the table was read from (its header names it)."""
+    for line in TABLE.read_text().splitlines():
+        if "at commit " in line:
+            return line.split("at commit ", 1)[1].split()[0]
+    raise ValueError(f"{TABLE}: header names no commit")
+
+
+_NO_MOE = "MoE routing replay is not built here (no MoE model support)"
+_NO_OPD = "on-policy distillation (a teacher's log-probs as reward) is not built here"
+_NO_PROFILE = "memory and torch profiling hooks are not built here"
+_NO_BUFFER = "slime's external rollout-buffer server protocol is not built here; rollouts come from the engines"
+
+# flag (as a field name) -> why this project refuses it: what is missing
+REFUSED: dict[str, str] = {
+    "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
+    "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
+    "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
+                                  "here",
+    "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
+    "log_probs_chunk_size": "chunked log-prob computation is not built here (log-probs use whole micro-batches)",
+    "freeze_indexer": "DSA indexer layers are not built here",
+    "allgather_cp": "context parallelism is not built here",
+    "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
+    "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
+                                     "not built here",
+    "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
+    "data_source_path": "a custom data-source class is not built here (slime.data.source is the one data source)",
+    "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
+    "start_rollout_id": "the start rollout comes from the checkpoint manifest (--load); overriding it is not built "
+                        "here",
+    "balance_data": "FLOPs balancing across data-parallel ranks is not built here",
+    "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
+    "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
+    "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
+                  "manifest)",
+    "num_critic_only_steps": "critic-only warm-up steps are not built here",
+    "megatron_config_path": "per-role Megatron YAML configs are not built here (one megatron: section)",
+    "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
+                                              "loss without them)",
+    "ref_update_interval": "updating the reference model from the actor is not built here",
+    "use_stateless_adam": "stateless Adam is not built here",
+    "use_routing_replay": _NO_MOE,
+    "use_rollout_routing_replay": _NO_MOE,
+    "use_opd": _NO_OPD,
+    "opd_type": _NO_OPD,
+    "opd_kl_coef": _NO_OPD,
+    "opd_teacher_load": _NO_OPD,
+    "opd_teacher_ckpt_step": _NO_OPD,
+    "log_correct_samples": "logging of correct samples is not built here",
+    "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
+    "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",
+    "memory_snapshot_dir": _NO_PROFILE,
+    "memory_snapshot_num_steps": _NO_PROFILE,
+    "profile_target": _NO_PROFILE,
+    "memory_recorder": _NO_PROFILE,
+    "record_memory_history": _NO_PROFILE,
+    "check_weight_update_equal": "the engine-side weight-equality check is not built here",
+    "http_proxy": "engines and the router are reached on 127.0.0.1 without a proxy",
+    "use_distributed_post": "distributed HTTP posting through Ray is not built here",
+    "custom_convert_samples_to_train_data_path": "a custom samples-to-train-data hook is not built here",
+    "rollout_buffer_url": _NO_BUFFER,
+    "fetch_trajectory_retry_times": _NO_BUFFER,
+    "min_batch_collection_ratio": _NO_BUFFER,
+    "rollout_task_type": _NO_BUFFER,
+    "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
+                      "template)",
+    "data_pad_size_multiplier": "micro-batches are padded to their longest sample; a pad multiple is not built here",
+    "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_moe_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
+    "megatron_deepgemm_moe_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
+    "mtp_num_layers": "multi-token prediction (MTP) layers are not built here",
+    "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
+    "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
+    "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
+}
+
+# flag -> how this project does the job (accepted; logged once when set)
+MAPPED: dict[str, str] = {
+    "save_debug_rollout_data": "every rollout is committed to the store as an Arrow shard set "
+                               "({store}/{run_id}/rollout/NNNNNN, read with `slime shards inspect`); no .pt dump "
+                               "is written",
+    "save_debug_train_data": "the trainer's input is the committed rollout shard set, kept in the store; the "
+                             "trainer's per-step tensors are recomputed from it; no .pt dump is written",
+    "debug_rollout_only": "debug modes are ways of running the RL stage here: it generates rollouts (and evals) "
+                          "into the store as committed shard sets, with no trainer, save or weight sync (the "
+                          "engines keep the HF weights)",
+    "debug_train_only": "debug modes are ways of running the RL stage here: it trains on stored rollout shard sets "
+                        "(--load-debug-rollout-data) with no engines, so no weight sync or eval",
+    "load_debug_rollout_data": "slime's .pt dumps are the store's rollout shard sets here: a URI template with "
+                               "{rollout_id} (e.g. runs/RUN/rollout/{rollout_id:06d}) of committed shard sets, "
+                               "trained on in place of generating (implies --debug-train-only)",
+    "dump_details": "the store keeps what slime's detail dump holds: every rollout shard set "
+                    "({store}/{run_id}/rollout/), checkpoint, eval shard set and metrics.jsonl line; no separate "
+                    "dump is written",
+    "rollout_data_transport": "rollout data reaches the trainer as an Arrow shard set in the store, not through "
+                              "Ray's object store",
+}
+
+# accepted flag -> why its default here is not slime's
+DEFAULTS_DIFFER: dict[str, str] = {
+    "actor_num_gpus_per_node": "1: the embedded default runs on one device (slime: 8)",
+    "input_key": "'prompt': slime's own data format ({\"prompt\": ..., \"label\": ...}) loads unchanged "
+                 "(slime: 'input')",
+    "label_key": "'label': as input_key (slime: None)",
+    "rollout_function_path": "this project's rollout (slime.rollout.generate_rollout) has slime's signature",
+    "disable_rewards_normalization": "a plain flag: slime stores its negation (rewards_normalization)",
+    "disable_grpo_std_normalization": "a plain flag: slime stores its negation (grpo_std_normalization)",
+    "disable_wandb_random_suffix": "a plain flag: slime stores its negation (wandb_random_suffix)",
+    "update_weight_transport": "None: --weight-sync-mode auto picks (tensor when colocated, distributed "
+                               "otherwise); slime: nccl",
+}
+
+
+def refusal(name: str) -> str | None:
+    """Why the slime flag `name` (field spelling) is refused here; None when it is not."""
+    return REFUSED.get(name)
+
+
+def classify(flag: SlimeFlag) -> tuple[str, str]:
+    """('accepted' | 'mapped' | 'refused', where it lives or why) for one of slime's flags."""
+    from slime.config import FIELD_SECTION, megatron_flag_names  # cyclic: config imports this module
+
+    name = flag.name
+    if name in REFUSED:
+        return "refused", REFUSED[name]
+    if name in MAPPED:
+        return "mapped", MAPPED[name]
+    if name in FIELD_SECTION:
+        return "accepted", f"{FIELD_SECTION[name]}.{name}"
+    if name in megatron_flag_names():
+        return "accepted", f"megatron.{name} (pass-through)"
+    return "unknown", "neither a config field, a Megatron flag nor refused"
+
+
+def flag_table_markdown() -> str:
+    """The slime-flag table of docs/configuration.md: each flag, slime's default, and its state here."""
+    flags = slime_flags()
+    states = [classify(f) for f in flags]
+    counts: dict[str, int] = {}
+    for state, _ in states:
+        counts[state] = counts.get(state, 0) + 1
+    lines = [
+        "## slime's flags",
+        "",
+        f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
+        f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
+        + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
+        "A refused flag stops `load_config` with its reason; a mapped one is logged once.",
+        "",
+        "| flag | slime's type, default | slime's meaning | here | where / why |",
+        "|---|---|---|---|---|",
+    ]
+    for flag, (state, note) in zip(flags, states, strict=True):
+        differs = DEFAULTS_DIFFER.get(flag.name)
+        note = f"{note}; default differs: {differs}" if differs and state != "refused" else note
+        meaning = flag.help if len(flag.help) <= 120 else flag.help[:117].rstrip() + "..."
+        lines.append(f"| `{flag.flag}` | {flag.type}, `{flag.default}` | {meaning.replace('|', '/')} | {state} | "
+                     f"{note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary() -> dict[str, Any]:
+    """Counts by state (for the docs and the issue note)."""
+    out: dict[str, Any] = {"commit": source_commit(), "total": len(slime_flags())}
+    for flag in slime_flags():
+        state = classify(flag)[0]
+        out[state] = out.get(state, 0) + 1
+    return out
