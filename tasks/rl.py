@@ -36,7 +36,8 @@ CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "
 # headline keys of a step record -> column of the metrics table
 TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
                  "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",
-                 "rl/train_s": "train_s", "rl/sync_s": "sync_s"}
+                 "rl/train_s": "train_s", "rl/sync_s": "sync_s",
+                 "rl/logprob_abs_diff": "logprob_abs_diff"}
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rl.loop",))
 STEP = {"cache_policy": NO_CACHE, "persist_result": False, "tags": [GPU_TAG]}

@@ -191,11 +191,17 @@ class TrainActor:
         return path
 
     def _load_reference(self) -> None:
+        """The KL reference: `ref_load`; else the policy RL starts from (`load`, e.g. the pipeline's SFT
+        checkpoint, also on a resume); else `hf_checkpoint`. (The GPU pipeline's first run took the untrained
+        HF weights as reference while RL started from SFT: KL to the reference read 6.0 at step 0.)"""
         from slime.backends.megatron.checkpoint import load_model_checkpoint
+        from slime.export import resolve_checkpoint
 
         ck = self.config.checkpoint
         if ck.ref_load:
             load_model_checkpoint(self.ref_models, self._ref_checkpoint())
+        elif ck.load:
+            load_model_checkpoint(self.ref_models, resolve_checkpoint(ck.load))
         else:
             self.bridge.load_weights(self.ref_models, ck.hf_checkpoint)
         for model in self.ref_models:
