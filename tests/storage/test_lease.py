@@ -12,9 +12,9 @@ import sys
 import textwrap
 import time
 
-import boto3
 import fsspec
 import pytest
+from conftest import moto_s3_options
 
 from slime.errors import RunInUseError
 from slime.storage.lease import LEASE_NAME, RunLease, hold_run_uri
@@ -22,17 +22,7 @@ from slime.storage.lease import LEASE_NAME, RunLease, hold_run_uri
 
 @pytest.fixture(scope="module")
 def s3_options():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    creds = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": "us-east-1"}
-    boto3.client("s3", endpoint_url=endpoint, **creds).create_bucket(Bucket="slime-leases")
-    yield {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-           "skip_instance_cache": True}
-    server.stop()
+    yield from moto_s3_options("slime-leases", skip_instance_cache=True)
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -1,8 +1,7 @@
 """The store on s3:// against a local S3 server (moto) bound to 127.0.0.1."""
 
-import boto3
 import pytest
-from conftest import make_samples
+from conftest import make_samples, moto_s3_options
 
 from slime.errors import AlreadyCommittedError, CorruptArtifactError
 from slime.storage import ArtifactStore, ShardSet, read_samples, write_samples
@@ -10,16 +9,7 @@ from slime.storage import ArtifactStore, ShardSet, read_samples, write_samples
 
 @pytest.fixture(scope="module")
 def s3_options():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    creds = {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": "us-east-1"}
-    boto3.client("s3", endpoint_url=endpoint, **creds).create_bucket(Bucket="slime-runs")
-    yield {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    server.stop()
+    yield from moto_s3_options("slime-runs")
 
 
 def test_round_trip_commit_and_corruption_on_s3(s3_options):
