@@ -78,10 +78,12 @@ def test_cli_convert_and_export_with_manifests(tiny_kit, tmp_path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["convert", "--hf-checkpoint", "x"], "stage 'convert' needs: checkpoint.save (--save)"),
+    (["convert", "--hf-checkpoint", "{model}"], "stage 'convert' needs: checkpoint.save (--save)"),
     (["export", "--output-dir", "y"], "stage 'export' needs: checkpoint.load (--load)"),
 ])
-def test_stage_errors_name_the_missing_flag(args, message):
+def test_stage_errors_name_the_missing_flag(tiny_kit, args, message):
+    # an existing model: a missing one is reported first, before the stage's own checks (tests/test_bad_inputs.py)
+    args = [a.format(model=tiny_kit.model_dir) for a in args]
     result = subprocess.run([SLIME, *args], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr
 
