@@ -254,11 +254,13 @@ def run_evaluate(config: Config) -> dict[str, Any]:
         return result
 
     phases: dict[str, float] = {}
+    # engine and router logs under {store}/{run_id}/evaluate/logs (a temporary directory on a remote store)
+    logs = store.local_dir(config.run.run_id, STAGE, "logs") if config.run.run_id else None
     with tempfile.TemporaryDirectory(prefix="slime-evaluate-") as tmp:
         mark = time.perf_counter()
         model_dir = policy_hf_dir(config, source, os.path.join(tmp, "policy-hf"))
         phases["export_s"], mark = time.perf_counter() - mark, time.perf_counter()
-        with serve_policy(config, model_dir, Path(tmp), config.eval.eval_num_engines) as router:
+        with serve_policy(config, model_dir, Path(logs or tmp), config.eval.eval_num_engines) as router:
             phases["engines_s"], mark = time.perf_counter() - mark, time.perf_counter()
             eval_args = rollout_args(config, router)
             eval_args.hf_checkpoint = model_dir  # prompts are encoded with the served model's tokenizer

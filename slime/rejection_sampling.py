@@ -209,8 +209,10 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
                   else tokenizer.apply_chat_template(p.prompt, tokenize=True, add_generation_prompt=True)
                   for p in prompts]
     n = config.rollout.n_samples_per_prompt
-    with (tempfile.TemporaryDirectory(prefix="slime-rs-") as logs,
-          serve_policy(config, model_dir, Path(logs), rs.rs_num_engines) as router):
+    # engine and router logs under {store}/{run_id}/rejection_sampling/logs (a temporary directory on a remote store)
+    logs = store.local_dir(config.run.run_id, STAGE, "logs")
+    with (tempfile.TemporaryDirectory(prefix="slime-rs-") as tmp,
+          serve_policy(config, model_dir, Path(logs or tmp), rs.rs_num_engines) as router):
         groups = asyncio.run(generate_and_score(args, router.url, prompts, prompt_ids, n, sampling_params(config),
                                                 rs.rs_concurrency))
     accepted, stats = select_accepted(args, groups, threshold=rs.rs_reward_threshold, best_of_n=rs.rs_best_of_n,

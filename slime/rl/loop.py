@@ -98,8 +98,7 @@ class RLLoop:
         self.store = ArtifactStore.from_config(config)
         # engine and router logs: with the run's other outputs, {store}/{run_id}/rl/logs (a temporary
         # directory on a remote store: engines write plain files)
-        fs, logs = open_fs(self.store.uri(config.run.run_id, STAGE, "logs"), self.store.storage_options)
-        self.log_dir = log_dir or (logs if is_local(fs) else None)
+        self.log_dir = log_dir or self.store.local_dir(config.run.run_id, STAGE, "logs")
         self.metrics_uri = self.store.uri(config.run.run_id, STAGE, "metrics.jsonl")
         self.cluster: Any = None  # a RayCluster this loop started (None: joined an initialised Ray)
         self.placement: Any = None

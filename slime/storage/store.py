@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from slime.errors import ConfigError
-from slime.storage.fs import join_uri, normalize_uri, open_fs
+from slime.storage.fs import is_local, join_uri, normalize_uri, open_fs
 from slime.storage.manifest import MANIFEST_NAME
 from slime.storage.shards import ShardSet, ShardSetWriter
 
@@ -42,6 +42,15 @@ class ArtifactStore:
             components.append(_check_name("stage", stage))
         components.extend(_check_name("artifact name", p) for p in parts)
         return join_uri(self.root, *components)
+
+    def local_dir(self, run_id: str, stage: str, *parts: str) -> str | None:
+        """`{store}/{run_id}/{stage}/...` as a local directory (created), for what child processes write as
+        plain files (engine and router logs); None on a remote store, where the caller uses a temporary one."""
+        fs, path = open_fs(self.uri(run_id, stage, *parts), self.storage_options)
+        if not is_local(fs):
+            return None
+        fs.makedirs(path, exist_ok=True)
+        return path
 
     def committed(self, run_id: str, stage: str) -> list[str]:
         """Names of the committed artifacts of a stage, sorted (uncommitted leftovers are not listed)."""

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 from conftest import make_samples
@@ -57,3 +58,9 @@ def test_commit_directory_hashes_every_file_and_detects_changes(tmp_path):
     assert manifest_hash(str(ckpt)) == before  # the manifest itself is unchanged
     with pytest.raises(NotCommittedError):
         read_manifest(str(tmp_path / "nothing"))
+
+
+def test_local_dir_for_plain_files_is_under_the_run_or_none_when_remote(tmp_path):
+    local = ArtifactStore(str(tmp_path / "runs")).local_dir("exp", "evaluate", "logs")
+    assert local == str(tmp_path / "runs" / "exp" / "evaluate" / "logs") and Path(local).is_dir()
+    assert ArtifactStore("memory://runs").local_dir("exp", "evaluate", "logs") is None
