@@ -5,8 +5,8 @@ RL can only show its worth from a policy that is right part of the time. This tr
 model on its SFT conversations (loss on the assistant tokens, AdamW, bf16 autocast on CUDA, linear
 warmup then constant) and, every `--eval-every` steps, decodes the eval prompts greedily and scores the
 last `\\boxed{}` (or the bare answer) against the label, per digit tier. It is a stand-in for the
-Megatron SFT stage (same model, data, optimizer and schedule) that runs in seconds per point, used to
-size `datasets/gpu-small/recipe.yaml` and `deployments/gpu-small.yaml` (docs/benchmarks.md).
+Megatron SFT stage (same model, data, optimizer and schedule) that runs in seconds per point, for
+sizing a kit's SFT (docs/benchmarks.md says how `deployments/gpu-small.yaml` was sized).
 
     python bench/sft_curve.py --kit runs/gpu-kit --lr 1e-3 --batch 256 --steps 2000 --eval-every 250
 """
