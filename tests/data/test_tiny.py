@@ -400,3 +400,29 @@ def test_missing_or_malformed_recipe(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_recipe(tmp_path / "list.yaml")
+
+
+def test_worked_multiplication_answers_check_out() -> None:
+    text = tiny.worked_answer(347, "*", 86)
+    assert text == "347*6=2082\n347*80=27760\n2082+27760=29842\n\\boxed{29842}"
+    for a, b in [(305, 104), (99, 10), (7, 8), (123, 999)]:
+        lines = tiny.worked_answer(a, "*", b).split("\n")
+        assert lines[-1] == f"\\boxed{{{a * b}}}"
+        for line in lines[:-1]:  # every step is true arithmetic
+            left, right = line.split("=")
+            x, op, y = re.fullmatch(r"(\d+)([*+])(\d+)", left).groups()
+            assert int(right) == (int(x) * int(y) if op == "*" else int(x) + int(y)), line
+    assert tiny.worked_answer(12, "+", 30) == "\\boxed{42}"
+
+
+def test_worked_steps_kit_data() -> None:
+    recipe = TinyKitRecipe.model_validate({"data": {"ops": ["*"], "worked_steps": True, "train_digits": [2, 3],
+                                                    "eval_digits": [3], "num_train": 20, "num_eval": 10,
+                                                    "num_sft": 30}})
+    rows = tiny.make_datasets(recipe)
+    for row in rows["sft"]:
+        prompt, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        a, b = map(int, prompt.rstrip("=").split("*"))
+        assert answer == tiny.worked_answer(a, "*", b)
+    assert all(r["label"] == str(r["metadata"]["a"] * r["metadata"]["b"]) for r in rows["eval"])
+    assert {r["metadata"]["digits"] for r in rows["eval"]} == {3}
