@@ -380,7 +380,7 @@ def test_default_recipe_file_matches_model_defaults() -> None:
     ("yaml_text", "field"),
     [
         ("seed: 1\nmodel:\n  hidden_size: -4\n", "model.hidden_size"),
-        ("data:\n  ops: ['*']\n", "data.ops.0"),
+        ("data:\n  ops: ['/']\n", "data.ops.0"),
         ("data:\n  num_trian: 10\n", "data.num_trian"),
         ("model:\n  num_attention_heads: 3\n", "model"),
     ],
