@@ -870,22 +870,25 @@ INPUT_PATH_FIELDS = ("checkpoint.hf_checkpoint", "checkpoint.ref_load", "checkpo
                      "kit.kit_dir")
 
 
+def resolve_input_path(value: Any, base: Path) -> Any:
+    """A relative local path written in a YAML file, as a path from the file's directory `base` (URLs,
+    absolute paths and non-strings stay as they are)."""
+    if not isinstance(value, str) or "://" in value or not value:
+        return value
+    return os.path.normpath(base / os.path.expanduser(value))  # an absolute path stays itself
+
+
 def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
     """Relative local input paths set in a YAML file resolve against the file's directory, so a config
     means the same files from any working directory (CLI values stay relative to the working directory)."""
-
-    def resolve(value: Any) -> Any:
-        if not isinstance(value, str) or "://" in value or not value:
-            return value
-        return os.path.normpath(base / os.path.expanduser(value))  # an absolute path stays itself
-
     for dotted in INPUT_PATH_FIELDS:
         section, name = dotted.split(".")
         values = data.get(section)
         if not isinstance(values, dict) or name not in values:
             continue
         value = values[name]
-        values[name] = {k: resolve(v) for k, v in value.items()} if isinstance(value, dict) else resolve(value)
+        values[name] = ({k: resolve_input_path(v, base) for k, v in value.items()} if isinstance(value, dict)
+                        else resolve_input_path(value, base))
 
 
 def _log_mapped(config: Config, where: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from slime.config import resolve_input_path
 from slime.data.prompts import load_prompts
 from slime.errors import ConfigError
 from slime.rollout.generate import sampling_params_from_args, tokenizer_of
@@ -117,6 +118,8 @@ def eval_datasets(args: Any) -> list[EvalDatasetConfig]:
             raise ConfigError(f"eval_config {config_path}: eval.defaults has unknown field(s) {unknown}; "
                               f"known: {list(_SETTINGS)}")
         for i, entry in enumerate(parsed.datasets):
+            # a dataset path written in the eval_config file is relative to that file, as in the main config
+            entry = {**entry, "path": resolve_input_path(entry.get("path"), path.parent)} if "path" in entry else entry
             datasets.append(_parse(entry, parsed.defaults, f"eval_config {config_path}: eval.datasets[{i}]"))
     for name, data_path in (getattr(args, "eval_prompt_data", None) or {}).items():
         datasets.append(_parse({"name": name, "path": data_path}, {}, f"eval_prompt_data[{name!r}]"))

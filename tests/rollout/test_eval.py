@@ -96,3 +96,18 @@ def test_eval_max_prompt_len_and_tool_key_apply_to_eval_prompts(tiny_kit, tmp_pa
     assert len(everything) == 2 and everything[0].metadata["tools"] == [{"name": "calc"}]  # eval_tool_key's
     short = load_dataset(load_config(None, [*base, "--eval-max-prompt-len", "8"]).as_namespace(), ds)
     assert [s.prompt for s in short] == ["1+1="]
+
+
+def test_eval_config_paths_are_relative_to_that_file(tmp_path):
+    config = tmp_path / "configs" / "eval.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump({"eval": {"datasets": [{"name": "rel", "path": "../data/e.jsonl"},
+                                                            {"name": "abs", "path": "/srv/e.jsonl"},
+                                                            {"name": "url", "path": "s3://b/e.jsonl@[0:4]"}]}}))
+
+    class Args:
+        eval_config = str(config)
+        eval_prompt_data = None
+
+    paths = {d.name: d.path for d in eval_datasets(Args)}
+    assert paths == {"rel": str(tmp_path / "data" / "e.jsonl"), "abs": "/srv/e.jsonl", "url": "s3://b/e.jsonl@[0:4]"}
