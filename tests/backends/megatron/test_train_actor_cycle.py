@@ -21,3 +21,7 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
     assert rows["offload/onload"]["moved"] == 0.0
     assert rows["step 0"]["lr"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # warmup starts at lr 0
     assert 0.0 < rows["step 1"]["moved"] < rows["step 2"]["moved"] < 0.01, rows
+    # started from that trained checkpoint, the KL reference is the policy it loaded (not hf_checkpoint's
+    # untrained weights: the GPU pipeline once read KL 6.0 at RL's first step)
+    resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", timeout=600))
+    assert resumed["kl to reference"]["start"] == 3 and resumed["kl to reference"]["kl"] == 0.0, resumed

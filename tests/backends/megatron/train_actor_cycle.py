@@ -1,10 +1,13 @@
 """A bf16 train rank (slime.ray.train_actor.TrainActor, without Ray) through the colocated cycle.
 
-    python tests/backends/megatron/train_actor_cycle.py MODEL_DIR WORK_DIR
+    python tests/backends/megatron/train_actor_cycle.py MODEL_DIR WORK_DIR           # the cycle, then a save
+    python tests/backends/megatron/train_actor_cycle.py MODEL_DIR WORK_DIR --load     # resume it, one step
 
 Prints one JSON row for an offload/onload round trip and one per train step (each step preceded by an
 offload/onload, as the RL loop does when colocated): the learning rate and the largest weight change
-from the loaded weights. Offload and onload are no-ops on CPU.
+from the loaded weights; the trained rank is saved to WORK_DIR/ckpt. With --load, a rank started from
+that checkpoint (`checkpoint.load`) trains one step and prints its KL to the reference model, which
+must be the loaded policy. Offload and onload are no-ops on CPU.
 """
 
 import json
@@ -44,16 +47,23 @@ def rollout(uri: str, groups: int, n: int) -> None:
     write_samples(uri, samples)
 
 
-def main(model_dir: str, work: Path) -> None:
+def main(model_dir: str, work: Path, load: bool) -> None:
+    checkpoint = {"hf_checkpoint": model_dir, **({"load": str(work / "ckpt")} if load else {"save": str(work / "ckpt")})}
     config = Config.model_validate({
-        "run": {"store": str(work), "run_id": "cycle"}, "checkpoint": {"hf_checkpoint": model_dir},
+        "run": {"store": str(work), "run_id": "cycle"}, "checkpoint": checkpoint,
         "cluster": {"colocate": True},
         "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 3},
         "algorithm": {"use_kl_loss": True, "kl_loss_coef": 0.0},
         "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4, "lr_warmup_iters": 2},
         "megatron": {"bf16": True}})
     actor = TrainActor(config.model_dump(mode="json"), 0, 1)
-    actor.init(f"tcp://127.0.0.1:{free_port()}")
+    start = actor.init(f"tcp://127.0.0.1:{free_port()}")
+    if load:
+        uri = str(work / "rollout-resumed")
+        rollout(uri, 4, 4)
+        metrics = actor.train(start, uri)
+        print(json.dumps({"case": "kl to reference", "start": start, "kl": metrics["rollout/kl"]}), flush=True)
+        return
     loaded = weights(actor)
 
     def moved() -> float:
@@ -72,7 +82,9 @@ def main(model_dir: str, work: Path) -> None:
         metrics = actor.train(step, uri)
         print(json.dumps({"case": f"step {step}", "lr": metrics["train/lr"], "moved": moved()}), flush=True)
     actor.offload()
+    actor.onload()
+    actor.save(2, {})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), "--load" in sys.argv[3:])
