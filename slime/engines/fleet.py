@@ -157,7 +157,8 @@ class EngineFleet:
             for slot in self.slots:
                 self._launch(slot)
             self.router = SGLangRouter(host=c.engine.sglang_router_ip, port=c.engine.sglang_router_port,
-                                       worker_urls=[s.url for s in self.slots], router_args=managed_router_args(c.router),
+                                       worker_urls=[s.url for s in self.slots],
+                                       router_args=managed_router_args(c.router),
                                        log_path=self.log_dir / "router.log")
             self.router.start()
             self.router.wait_workers_healthy(len(self.slots), timeout_s=ROUTER_WAIT_S)
