@@ -78,6 +78,20 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     model_parallel_cuda_manual_seed(seed)
 
 
+def close_megatron() -> None:
+    """Leave the process group together: a barrier, then Megatron's and torch's groups destroyed.
+
+    Rank 0 hosts the rendezvous store; a rank that exits while another still tears down its gloo
+    threads makes that one abort ("terminate called without an active exception"). Idempotent.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def _local_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
     """megatron-core's local (non-TE) decoder block spec, in place of mbridge's TE spec, with the
     fused SDPA core attention (`slime.backends.megatron.attention`) instead of the unfused one."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from multirank import rank_env
 
-from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+from slime.backends.megatron.bridge import build_model, close_megatron, init_megatron, make_bridge
 from slime.backends.megatron.checkpoint import (
     CheckpointMismatchError,
     ModelOnlyCheckpointError,
@@ -159,3 +159,4 @@ def setup_again(hf_dir: str, lr: float):
 
 if __name__ == "__main__":
     main()
+    close_megatron()

@@ -17,7 +17,13 @@ from multirank import rank_env
 from parity_samples import LENGTHS, make_samples
 from safetensors.torch import save_file
 
-from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
+from slime.backends.megatron.bridge import (
+    build_model,
+    close_megatron,
+    export_hf_weights,
+    init_megatron,
+    make_bridge,
+)
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
@@ -84,3 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_megatron()

@@ -23,7 +23,13 @@ from multirank import rank_env
 from safetensors.torch import load_file
 
 from slime.backends.megatron import bridge as megatron_bridge
-from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
+from slime.backends.megatron.bridge import (
+    build_model,
+    close_megatron,
+    export_hf_weights,
+    init_megatron,
+    make_bridge,
+)
 
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list")
 
@@ -98,3 +104,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_megatron()

@@ -15,7 +15,13 @@ from dp_parity import jitter, make_samples
 from multirank import rank_env
 from safetensors.torch import save_file
 
-from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
+from slime.backends.megatron.bridge import (
+    build_model,
+    close_megatron,
+    export_hf_weights,
+    init_megatron,
+    make_bridge,
+)
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.step_data import TrainArrays
@@ -52,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close_megatron()
