@@ -67,6 +67,20 @@ class Status(Enum):
     FAILED = "failed"
 
 
+def parse_weight_version(value: Any) -> int:
+    """An engine's `meta_info.weight_version` as the integer the RL loop gave it (the rollout id the
+    weights were trained through); 0 for an engine that never had an update ("default": the HF checkpoint a
+    fresh run starts from) and -1 when absent or not an integer (another writer's label): unknown, oldest."""
+    if value is None:
+        return -1
+    if value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
 # SGLang's meta_info.finish_reason.type -> the status of the sample that received it.
 _FINISH_REASON_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -75,8 +89,12 @@ _FINISH_REASON_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "
 class Sample:
     """One prompt/response pair with everything training needs.
 
-    `tokens` holds prompt + response token ids; `response_length`, `loss_mask` and
-    `rollout_log_probs` cover only the response part (their lengths equal `response_length`).
+    `tokens` holds prompt + response token ids; `response_length`, `loss_mask`,
+    `rollout_log_probs` and `token_weight_versions` cover only the response part (their lengths equal
+    `response_length`). `weight_versions` is slime's: one entry per engine call; `token_weight_versions`
+    (this project's) says which weight version generated each response token (-1: an environment token,
+    or one from before versions were recorded), so a response continued across weight updates
+    (partial rollout, fully async mode) keeps the version of every range (`slime.rl.staleness`).
     """
 
     Status = Status  # slime's spelling: Sample.Status.COMPLETED
@@ -93,6 +111,7 @@ class Sample:
     reward: float | dict[str, Any] | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
+    token_weight_versions: list[int] | None = None
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: list[list[int]] | None = None
     remove_sample: bool = False
@@ -179,7 +198,7 @@ class Sample:
             raise DataFormatError(
                 f"{where}: response_length {self.response_length} outside [0, len(tokens)={len(self.tokens)}]"
             )
-        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "token_weight_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != self.response_length:
                 raise DataFormatError(

@@ -92,7 +92,7 @@ def truncate_response(sample: Sample, max_len: int, tokenizer: Any = None) -> bo
         return False
     sample.tokens = sample.tokens[: len(sample.tokens) - extra]
     sample.response_length = max_len
-    for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
+    for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "token_weight_versions"):
         values = getattr(sample, name)
         if values is not None:
             setattr(sample, name, values[:max_len])

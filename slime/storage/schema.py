@@ -23,7 +23,8 @@ import pyarrow as pa
 from slime.errors import DataFormatError, SchemaVersionError
 from slime.types import PrefixCacheInfo, Sample, SpecInfo, Status
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before token_weight_versions (read with that column null)
 VERSION_KEY = b"slime.schema_version"
 KIND_KEY = b"slime.kind"
 
@@ -46,6 +47,7 @@ SAMPLE_SCHEMA = pa.schema(
         ("teacher_log_probs", pa.list_(pa.float32())),
         ("rollout_routed_experts", pa.list_(pa.list_(pa.int32()))),
         ("weight_versions", pa.list_(pa.string())),
+        ("token_weight_versions", pa.list_(pa.int32())),  # per response token; null in version-1 files
         ("status", pa.string()),
         ("remove_sample", pa.bool_()),
         ("metadata", pa.string()),  # JSON object
@@ -59,11 +61,15 @@ SAMPLE_SCHEMA = pa.schema(
     metadata={VERSION_KEY: str(SCHEMA_VERSION).encode(), KIND_KEY: b"samples"},
 )
 
+_V1_SCHEMA = pa.schema([f for f in SAMPLE_SCHEMA if f.name != "token_weight_versions"],
+                       metadata={VERSION_KEY: b"1", KIND_KEY: b"samples"})
+
 _NUMERIC_LISTS = {
     "tokens": np.int32,
     "loss_mask": np.uint8,
     "rollout_log_probs": np.float32,
     "teacher_log_probs": np.float32,
+    "token_weight_versions": np.int32,
 }
 
 
@@ -126,18 +132,32 @@ def samples_to_batch(samples: Sequence[Sample]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([columns[f.name] for f in SAMPLE_SCHEMA], schema=SAMPLE_SCHEMA)
 
 
-def check_schema(schema: pa.Schema, where: str) -> None:
-    """Refuse data written with another schema version or layout, naming the file."""
+def check_schema(schema: pa.Schema, where: str, *, current_only: bool = False) -> None:
+    """Refuse data written with another schema version or layout, naming the file; `current_only`
+    (writers) refuses the older readable versions too."""
     meta = schema.metadata or {}
     version = meta.get(VERSION_KEY)
     if version is None:
         raise SchemaVersionError(f"{where}: no {VERSION_KEY.decode()} in the file metadata: not a slime shard")
-    if int(version) != SCHEMA_VERSION:
+    if int(version) not in READABLE_VERSIONS or (current_only and int(version) != SCHEMA_VERSION):
         raise SchemaVersionError(
-            f"{where}: schema version {int(version)}, this code reads version {SCHEMA_VERSION}"
+            f"{where}: schema version {int(version)}, this code reads versions "
+            f"{[SCHEMA_VERSION] if current_only else list(READABLE_VERSIONS)}"
         )
-    if not schema.remove_metadata().equals(SAMPLE_SCHEMA.remove_metadata()):
-        raise SchemaVersionError(f"{where}: columns differ from schema version {SCHEMA_VERSION}: {schema.names}")
+    expected = SAMPLE_SCHEMA if int(version) == SCHEMA_VERSION else _V1_SCHEMA
+    if not schema.remove_metadata().equals(expected.remove_metadata()):
+        raise SchemaVersionError(f"{where}: columns differ from schema version {int(version)}: {schema.names}")
+
+
+def upgrade_table(table: pa.Table) -> pa.Table:
+    """A table of any readable version (checked by `check_schema`) as the current schema: a version-1
+    table gets a null `token_weight_versions` column (those shards never recorded it)."""
+    if table.schema.equals(SAMPLE_SCHEMA, check_metadata=False):
+        return table.replace_schema_metadata(SAMPLE_SCHEMA.metadata)
+    index = SAMPLE_SCHEMA.get_field_index("token_weight_versions")
+    field = SAMPLE_SCHEMA.field(index)
+    table = table.add_column(index, field, pa.nulls(table.num_rows, field.type))
+    return table.replace_schema_metadata(SAMPLE_SCHEMA.metadata)
 
 
 def _split(column: pa.ChunkedArray | pa.Array) -> list[list | None]:
@@ -178,6 +198,7 @@ def table_to_samples(table: pa.Table | pa.RecordBatch) -> list[Sample]:
                 reward=json.loads(reward_dict) if reward_dict is not None else cols["reward"][i],
                 loss_mask=lists["loss_mask"][i],
                 weight_versions=cols["weight_versions"][i],
+                token_weight_versions=lists["token_weight_versions"][i],
                 rollout_log_probs=lists["rollout_log_probs"][i],
                 rollout_routed_experts=cols["rollout_routed_experts"][i],
                 remove_sample=cols["remove_sample"][i],

@@ -41,6 +41,7 @@ from slime.storage.schema import (
     check_schema,
     samples_to_batch,
     table_to_samples,
+    upgrade_table,
 )
 from slime.types import Sample
 
@@ -111,7 +112,7 @@ class ShardSetWriter:
     def write_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
         """Buffer rows already in `SAMPLE_SCHEMA` form (for producers that build columns directly)."""
         self._require_open()
-        check_schema(batch.schema, f"batch written to {self.uri}")
+        check_schema(batch.schema, f"batch written to {self.uri}", current_only=True)
         batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
         for b in batches:
             # slices of about target_file_bytes, so one large write still yields bounded part files
@@ -262,7 +263,7 @@ class ShardSet:
         check_schema(table.schema, where)
         if entry.rows is not None and table.num_rows != entry.rows:
             raise CorruptArtifactError(f"{where}: {table.num_rows} rows, manifest says {entry.rows}")
-        return table
+        return upgrade_table(table)
 
     def read_table(self) -> pa.Table:
         tables = list(self.iter_tables())

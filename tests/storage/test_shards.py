@@ -15,7 +15,9 @@ from slime.errors import (
 )
 from slime.storage import ShardSet, ShardSetWriter, read_samples, write_samples
 from slime.storage import manifest as manifest_mod
-from slime.storage.schema import SAMPLE_SCHEMA, samples_to_batch
+from slime.storage.manifest import Manifest, commit_manifest, file_entry, producer_info
+from slime.storage.schema import _V1_SCHEMA, SAMPLE_SCHEMA, samples_to_batch
+from slime.storage.shards import SHARD_SET_KIND
 
 
 @pytest.mark.parametrize(("fmt", "compression"), [("arrow", None), ("arrow", "zstd"), ("parquet", None)])
@@ -142,7 +144,36 @@ def test_wrong_schema_is_refused(tmp_path, samples):
     no_meta = pa.table({"tokens": [[1, 2]]})
     with ShardSetWriter(str(tmp_path / "b")) as w, pytest.raises(SchemaVersionError, match="not a slime shard"):
         w.write_batch(no_meta)
-    assert SAMPLE_SCHEMA.metadata[b"slime.schema_version"] == b"1"
+    assert SAMPLE_SCHEMA.metadata[b"slime.schema_version"] == b"2"
+    v1 = pa.RecordBatch.from_arrays([c for c, f in zip(batch.columns, batch.schema, strict=True)
+                                     if f.name != "token_weight_versions"],
+                                    schema=_V1_SCHEMA)
+    with ShardSetWriter(str(tmp_path / "c")) as w, pytest.raises(SchemaVersionError, match="reads versions \\[2\\]"):
+        w.write_batch(v1)  # an older layout is read, never written
+
+
+def test_version_1_shards_still_read_with_token_versions_empty(tmp_path, samples):
+    """A shard set written before token_weight_versions existed (schema 1) reads back whole, the new
+    field None; a version-2 round trip keeps the per-token versions."""
+    for s in samples:
+        s.token_weight_versions = list(range(s.response_length))
+    batch = samples_to_batch(samples)
+    v1_batch = pa.RecordBatch.from_arrays([c for c, f in zip(batch.columns, batch.schema, strict=True)
+                                           if f.name != "token_weight_versions"], schema=_V1_SCHEMA)
+    uri = tmp_path / "v1"
+    uri.mkdir()
+    with pa.OSFile(str(uri / "part-00000.arrow"), "wb") as sink, pa.ipc.new_file(sink, _V1_SCHEMA) as writer:
+        writer.write_batch(v1_batch)
+    data = (uri / "part-00000.arrow").read_bytes()
+    commit_manifest(str(uri), Manifest(kind=SHARD_SET_KIND, producer=producer_info(), files=[
+        file_entry("part-00000.arrow", data, rows=len(samples))], num_rows=len(samples), schema_version=1,
+        format="arrow"))
+    old = read_samples(str(uri))
+    assert [s.tokens for s in old] == [s.tokens for s in samples]
+    assert all(s.token_weight_versions is None for s in old)
+    write_samples(str(tmp_path / "v2"), samples)
+    assert [s.token_weight_versions for s in read_samples(str(tmp_path / "v2"))] == \
+        [list(range(s.response_length)) for s in samples]
 
 
 def test_writer_refuses_committed_location_and_reuse(tmp_path, samples):
@@ -200,7 +231,7 @@ def test_manifest_is_written_last_and_is_json(tmp_path, samples, monkeypatch):
     write_samples(str(uri), samples, target_file_bytes=5_000)
     assert seen and "manifest.json" not in seen[0] and seen[0]
     doc = json.loads((uri / "manifest.json").read_text())
-    assert doc["kind"] == "shard_set" and doc["schema_version"] == 1
+    assert doc["kind"] == "shard_set" and doc["schema_version"] == 2
     assert sum(f["rows"] for f in doc["files"]) == doc["num_rows"] == len(samples)
     assert {"host", "pid", "slime_version"} <= set(doc["producer"])
 
