@@ -461,8 +461,16 @@ class SyncConfig(_Section):
 
     update_weights_interval: int = Field(1, ge=1, description="`slime rl`: sync the trainer's weights into the "
                                                               "engines every N rollouts (and after the last)")
-    async_mode: bool = Field(False, description="`slime rl` one-step-off: generate rollout id+1 while training "
-                                                "on id (slime's train_async.py); CLI flag --async too")
+    async_mode: Literal["off", "one_step_off", "fully"] = Field(
+        "off", description="`slime rl` generation beside training: one_step_off generates rollout id+1 while "
+                           "training on id (slime's train_async.py; the flag --async, or true, selects it); fully "
+                           "generates all the time and trains on finished groups (docs/rl.md)")
+    max_policy_version_lag: int | None = Field(
+        None, ge=0, description="fully async: the most weight versions a trained sample's oldest token may be "
+                                "behind the trainer (slime's --max-policy-version-lag); None: no bound")
+    stale_sample_policy: Literal["drop", "regenerate"] = Field(
+        "drop", description="fully async: a group past max_policy_version_lag is dropped (kept in "
+                            "rollout_dropped/) or generated again from its prompt")
     update_weight_buffer_size: int = Field(512 * 1024**2, ge=1, description="bytes per bucket")
     update_weight_disk_dir: str | None = Field(None, description="disk mode: where weights are written "
                                                 "(default: a temporary directory)")
@@ -487,6 +495,14 @@ class SyncConfig(_Section):
     custom_update_weight_post_write_path: str | None = Field(
         None, description="disk mode: hook(args, version_dir, rollout_engines) after the files are written, before "
                           "engines read them; rollout_engines are the engine URLs")
+
+    @field_validator("async_mode", mode="before")
+    @classmethod
+    def _async_flag(cls, value: Any) -> Any:
+        """`--async` (a plain flag) and a YAML bool mean one-step-off; false means off."""
+        if isinstance(value, bool):
+            return "one_step_off" if value else "off"
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -937,6 +953,25 @@ _SFT_SCHEDULE_FIELDS = {"lr": "sft.sft_lr", "min_lr": "sft.sft_min_lr", "lr_warm
                         "lr_decay_style": "sft.sft_lr_decay_style"}
 
 
+def check_async_mode(config: Config, fail: Any) -> None:
+    """The generation mode and the staleness bound fit together (slime.rl.staleness has the arithmetic)."""
+    sync, rollout = config.sync, config.rollout
+    if sync.async_mode == "fully" and rollout.rollout_function_path != "slime.rollout.generate_rollout":
+        fail("rollout.rollout_function_path", "fully async mode runs its own generation loop "
+             f"(slime.rl.fully_async); a custom rollout function ({rollout.rollout_function_path}) runs in the "
+             "off or one_step_off modes", "sync.async_mode")
+    if sync.max_policy_version_lag is None or sync.async_mode == "fully":
+        return
+    if rollout.partial_rollout:
+        fail("sync.max_policy_version_lag", "partial rollout carries tokens across steps, and the bound is enforced "
+             "only in fully async mode: set sync.async_mode fully (--async-mode fully)", "rollout.partial_rollout")
+    scheduled = sync.update_weights_interval - (sync.async_mode == "off")  # lag the schedule gives every sample
+    if scheduled > sync.max_policy_version_lag:
+        fail("sync.max_policy_version_lag", f"async_mode {sync.async_mode} with update_weights_interval "
+             f"{sync.update_weights_interval} trains samples up to {scheduled} versions behind, above the bound "
+             f"{sync.max_policy_version_lag}", "sync.async_mode", "sync.update_weights_interval")
+
+
 def _validate(config: Config, where: dict[str, str]) -> None:
     """Checks that span fields; each message names the fields and where they were set."""
 
@@ -997,9 +1032,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                  f"{t.lr_decay_iters}", "train.lr_decay_iters")
         if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
             fail(field("lr_decay_style"), "WSD needs lr_wsd_decay_iters (length of the decay phase)")
-    if config.sync.async_mode and config.cluster.colocate:
-        fail("sync.async_mode", "async (one-step-off) generation needs separate train and rollout GPUs: it "
-             "cannot be combined with colocate", "cluster.colocate")
+    check_async_mode(config, fail)
+    if config.sync.async_mode != "off" and config.cluster.colocate:
+        fail("sync.async_mode", f"async ({config.sync.async_mode}) generation needs separate train and rollout "
+             "GPUs: it cannot be combined with colocate", "cluster.colocate")
     from slime.storage.fs import unknown_protocol
 
     if (protocol := unknown_protocol(config.run.store)) is not None:

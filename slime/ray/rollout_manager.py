@@ -72,6 +72,7 @@ class RolloutManager:
         self.rollout_fn: Any = None
         self.eval_fn: Any = None  # eval_function_path, else rollout_fn
         self.log_fns: tuple[Any, Any] = (None, None)  # custom rollout / eval log functions
+        self.generator: Any = None  # a FullyAsyncRollout in --async-mode fully
 
     @property
     def router(self) -> Any:
@@ -210,8 +211,12 @@ class RolloutManager:
         out = self.rollout_fn(self.args, rollout_id, self.data_source)
         metrics = dict(out.metrics)
         uri = metrics.get("rollout/uri") or write_rollout(self.args, rollout_id, out.samples, [], _scalars(metrics))
-        rollout_time = time.monotonic() - t0
-        if self.log_fns[0] is not None and self.log_fns[0](rollout_id, self.args, flatten(out.samples), metrics,
+        return uri, self._step_metrics(rollout_id, out.samples, metrics, uri, time.monotonic() - t0)
+
+    def _step_metrics(self, rollout_id: int, groups: list[Any], metrics: dict[str, Any], uri: str,
+                      rollout_time: float) -> dict[str, Any]:
+        """A step's metrics as the loop gets them: the custom log function's turn, the URI, engine counts."""
+        if self.log_fns[0] is not None and self.log_fns[0](rollout_id, self.args, flatten(groups), metrics,
                                                            rollout_time):
             metrics = {}  # slime: the custom log function did the logging; the step keeps what the loop needs
         metrics["rollout/uri"] = uri
@@ -220,7 +225,45 @@ class RolloutManager:
         metrics["rollout/engine_restarts"] = restarts - self._restarts_reported  # since the last step's
         self._restarts_reported = restarts
         metrics["rollout/engines_serving"] = len(self.worker_urls())
-        return uri, _scalars(metrics)
+        return _scalars(metrics)
+
+    # ------------------------------------------------------------------------- fully async
+
+    def start_fully_async(self, version: int, next_rollout_id: int, state: dict[str, Any] | None) -> dict[str, Any]:
+        """Start continuous generation (`slime.rl.fully_async`) at engine weight `version`, the trainer's
+        next batch being `next_rollout_id`; `state` (from a checkpoint) restores the groups it held."""
+        from slime.rl.fully_async import FullyAsyncRollout
+
+        c = self.config
+        self.generator = FullyAsyncRollout(self.args, self.data_source, batch_groups=c.rollout.rollout_batch_size,
+                                           max_lag=c.sync.max_policy_version_lag,
+                                           stale_policy=c.sync.stale_sample_policy,
+                                           partial=c.rollout.partial_rollout, version=version,
+                                           next_rollout_id=next_rollout_id)
+        if state is not None:
+            self.generator.load_state_dict(state, where=f"checkpoint extra state of batch {next_rollout_id - 1}")
+        self.generator.start()
+        return {"restored_groups": len(state["completed"]) + len(state["interrupted"]) if state else 0}
+
+    def take_batch(self, rollout_id: int) -> tuple[str, dict[str, Any]]:
+        """Fully async: the next batch of finished groups, committed as rollout `rollout_id`'s shard set
+        (groups dropped since the last batch under rollout_dropped/); (URI, metrics)."""
+        from slime.rollout.store import write_rollout
+
+        t0 = time.monotonic()
+        kept, dropped, metrics = self.generator.take_batch(rollout_id)
+        uri = write_rollout(self.args, rollout_id, kept, dropped, _scalars(metrics))
+        return uri, self._step_metrics(rollout_id, kept, metrics, uri, time.monotonic() - t0)
+
+    def pause_generation(self, snapshot: bool = False) -> dict[str, Any]:
+        """Fully async: stop generating (in-flight requests aborted, partial groups held); with `snapshot`
+        also everything held, for the checkpoint. {"metrics": ..., "state": ... or None}."""
+        metrics = self.generator.pause()
+        return {"metrics": metrics, "state": self.generator.state_dict() if snapshot else None}
+
+    def resume_generation(self, version: int) -> None:
+        """Fully async: generate again at engine weight `version`."""
+        self.generator.resume(version)
 
     def _check_serving(self) -> None:
         if not self.worker_urls():
@@ -286,7 +329,10 @@ class RolloutManager:
         return {"perf/onload_rollout_time": time.monotonic() - t0}
 
     def dispose(self) -> None:
-        """Stop the health monitor, the router and every engine this actor started (idempotent)."""
+        """Stop generation, the health monitor, the router and every engine this actor started (idempotent)."""
+        if self.generator is not None:
+            self.generator.stop()
+            self.generator = None
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None

@@ -71,9 +71,13 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError("eval.eval_interval is set but there is no eval dataset: set eval.eval_prompt_data "
                           "(--eval-prompt-data name path) or eval.eval_config, or unset eval_interval")
     offload_rollout, _ = _offloads(config)
-    if config.sync.async_mode and offload_rollout:
-        raise ConfigError("sync.async_mode (--async) generates while training: cluster.offload_rollout must be "
-                          "false (engines cannot release their memory during a rollout)")
+    if config.sync.async_mode != "off" and offload_rollout:
+        raise ConfigError(f"sync.async_mode {config.sync.async_mode} generates while training: "
+                          "cluster.offload_rollout must be false (engines cannot release their memory during a "
+                          "rollout)")
+    if config.sync.async_mode == "fully" and (config.run.debug_rollout_only or config.run.debug_train_only):
+        raise ConfigError("sync.async_mode fully needs both the trainer and the engines: it cannot run with "
+                          "run.debug_rollout_only or run.debug_train_only")
     check_tensorboard(config.run.use_tensorboard)
     check_wandb(config)
     from slime.rollout.hooks import check_rollout_plugins  # imports the user's plugin modules
@@ -95,6 +99,8 @@ class RLLoop:
         self.config = config.model_copy(deep=True)
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.offload_rollout, self.offload_train = _offloads(config)
+        self.fully_async = config.sync.async_mode == "fully"
+        self._generation_paused = False  # fully async: paused for a checkpoint, until the sync resumes it
         self.store = ArtifactStore.from_config(config)
         # engine and router logs: with the run's other outputs, {store}/{run_id}/rl/logs (a temporary
         # directory on a remote store: engines write plain files)
@@ -175,6 +181,9 @@ class RLLoop:
         sync = {} if debug else self._update_weights(self.start_rollout_id)  # engines start from HF: align them
         if self.offload_train and self.train_group is not None:
             self.train_group.offload()
+        if self.fully_async:  # generation starts now, on the synced weights, with what the checkpoint held
+            ray.get(self.manager.start_fully_async.remote(self.weight_version, self.start_rollout_id,
+                                                          extra.get("fully_async")))
         tensorboard = None
         if c.run.use_tensorboard:
             tensorboard = c.run.tensorboard_dir or open_fs(
@@ -189,7 +198,8 @@ class RLLoop:
                   "weight_version": self.weight_version, "initial_sync_s": sync.get("sync/total_s"),
                   "setup_s": time.monotonic() - t0}
         logger.info("rl set up in %.1f s: rollouts %d..%d, %s", result["setup_s"], self.start_rollout_id,
-                    self.num_rollout - 1, "async (one-step-off)" if c.sync.async_mode else "sync")
+                    self.num_rollout - 1, {"off": "sync", "one_step_off": "async (one-step-off)",
+                                           "fully": "fully async"}[c.sync.async_mode])
         return result
 
     def _finish_step(self, rollout_id: int, record: dict[str, Any] | None, sync: dict[str, Any]) -> None:
@@ -245,10 +255,13 @@ class RLLoop:
         t0 = time.monotonic()
         if self.config.run.debug_train_only:
             uri, metrics = self._stored_rollout(rollout_id), {}
+        elif self.fully_async:  # the finished groups of the generation that never stops
+            uri, metrics = ray.get(self.manager.take_batch.remote(rollout_id))
+            metrics["perf/trainer_idle_s"] = time.monotonic() - t0
         else:
             uri, metrics = self._collect(rollout_id)
         wait = time.monotonic() - t0
-        if self.config.sync.async_mode and rollout_id + 1 < self.num_rollout:
+        if self.config.sync.async_mode == "one_step_off" and rollout_id + 1 < self.num_rollout:
             self._launch(rollout_id + 1)
         if self.offload_rollout and self.manager is not None:
             metrics.update(ray.get(self.manager.offload.remote()))
@@ -293,7 +306,16 @@ class RLLoop:
         if self.offload_rollout and self.manager is not None:
             metrics.update(ray.get(self.manager.onload.remote()))
         synced = self.sync_due(rollout_id)
-        if synced:
+        if self.fully_async:
+            if synced and not self._generation_paused:  # no request runs while the weights change
+                metrics.update(ray.get(self.manager.pause_generation.remote())["metrics"])
+                self._generation_paused = True
+            if synced:
+                metrics.update(self._update_weights(rollout_id + 1))
+            if self._generation_paused:
+                ray.get(self.manager.resume_generation.remote(self.weight_version))
+                self._generation_paused = False
+        elif synced:
             nxt = rollout_id + 1
             if nxt in self._inflight:  # async: never change weights under a running generation
                 t0 = time.monotonic()
@@ -363,13 +385,21 @@ class RLLoop:
         if not self.save_due(rollout_id):
             return {"rollout_id": rollout_id, "saved": False}
         t0 = time.monotonic()
-        ref = self._states.get(rollout_id)  # none with --debug-train-only: no data source
-        state = ray.get(ref) if ref is not None else {}
+        held: dict[str, Any] = {}
+        if self.fully_async:  # paused until the sync: the groups held, consistent with the cursor
+            paused = ray.get(self.manager.pause_generation.remote(snapshot=True))
+            self._generation_paused = True
+            held = {"fully_async": paused["state"]}
+            state = paused["state"]["data_source"]
+            self._step(rollout_id).update(paused["metrics"])
+        else:
+            ref = self._states.get(rollout_id)  # none with --debug-train-only: no data source
+            state = ray.get(ref) if ref is not None else {}
         # weight_version: of the saved weights (trained through this rollout), what a resumed run syncs
         # step_record: the step's rollout and train metrics, for a resume that must write its line
         extra = {"rollout_id": rollout_id, "data_source": state, "weight_version": rollout_id + 1,
                  "partial_rollout_buffer_groups": len(state.get("buffer", [])),
-                 "step_record": jsonable(self._step(rollout_id))}
+                 "step_record": jsonable(self._step(rollout_id)), **held}
         self.last_checkpoint = self.train_group.save(rollout_id, extra)
         for old in [i for i in self._states if i < rollout_id]:
             del self._states[old]

@@ -39,6 +39,7 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, EngineError
+from slime.rl.staleness import staleness_metrics
 from slime.rollout.eval import eval_rollout, pass_at_k
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
@@ -74,8 +75,9 @@ def _reward_value(args: Any, group: list[Any]) -> list[float] | None:
 
 
 def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: Counter, elapsed: float,
-                    new_tokens: int) -> dict[str, Any]:
-    """Flat `rollout/...` metrics of one step (kept samples unless the name says otherwise)."""
+                    new_tokens: int, trainer_version: int | None = None) -> dict[str, Any]:
+    """Flat `rollout/...` metrics of one step (kept samples unless the name says otherwise); with the
+    `trainer_version` that will train them, their staleness (`async/staleness/*`, slime.rl.staleness)."""
     samples = flatten(kept)
     lengths = [s.response_length for s in samples] or [0]
     rewards = [r for g in kept for r in (_reward_value(args, g) or [])]
@@ -96,6 +98,8 @@ def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: 
     metrics["rollout/samples/aborted"] = counts["aborted_samples"]
     for reason, n in reasons.items():
         metrics[f"rollout/dynamic_filter/drop_{reason}"] = n
+    if trainer_version is not None:
+        metrics.update(staleness_metrics([s for s in samples if isinstance(s, Sample)], trainer_version))
     if getattr(args, "log_passrate", False):
         metrics.update(passrate_metrics(args, kept))
     if getattr(args, "log_reward_category", None):
@@ -275,7 +279,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         plugins.sample_filter(args, kept)
     if plugins.all_samples_process is not None:
         plugins.all_samples_process(args, all_groups, data_source)
-    metrics = rollout_metrics(args, kept, counts, reasons, elapsed, state.new_tokens)
+    metrics = rollout_metrics(args, kept, counts, reasons, elapsed, state.new_tokens, trainer_version=rollout_id)
     uri = write_rollout(args, rollout_id, kept, dropped, metrics)
     if uri:
         metrics["rollout/uri"] = uri
