@@ -154,6 +154,36 @@ def test_async_mode_samples_one_weight_version_behind(tiny_kit, root, ray_cluste
     assert [records[i]["weight_version"] for i in range(3)] == [1, 2, 3]
 
 
+@pytest.mark.slow
+def test_fully_async_mode_trains_within_the_bound_and_checkpoints_what_it_holds(tiny_kit, root, ray_cluster):
+    config = loop_config(tiny_kit, root, "fully", ranks=1, engines=1,
+                         sync={"async_mode": "fully", "max_policy_version_lag": 1},
+                         rollout={"partial_rollout": True}, checkpoint={"save_interval": 1})
+    result = run_rl(config)
+    assert [s["rollout_id"] for s in result["steps"]] == [0, 1, 2]
+    records = read_metrics(result["metrics_uri"])
+    store = ArtifactStore.from_config(config)
+    groups = []
+    for rollout_id in range(NUM_ROLLOUT):
+        samples = read_samples(store.uri(config.run.run_id, "rollout", f"{rollout_id:06d}"))
+        assert len(samples) == ROLLOUT_BATCH * GROUP
+        for s in samples:  # every token of a trained sample is at most one version behind its step
+            assert s.token_weight_versions and rollout_id - 1 <= min(s.token_weight_versions) <= rollout_id
+        groups += sorted({s.group_index for s in samples})
+        dropped = store.uri(config.run.run_id, "rollout_dropped", f"{rollout_id:06d}")
+        if is_committed(dropped):  # stale, filtered or failed groups: accounted for, never trained
+            groups += sorted({s.group_index for s in read_samples(dropped)})
+        record = records[rollout_id]
+        assert record["async"] == "fully" and record["weight_version"] == rollout_id + 1
+        assert record["async/staleness/max"] <= 1 and "perf/trainer_idle_s" in record
+        assert "perf/engine_idle_s" in record and "perf/pause_generation_s" in record
+    assert len(groups) == len(set(groups))  # no group trained (or dropped) twice
+    held = read_training_state(result["last_checkpoint"]).extra_state["fully_async"]
+    assert held["next_rollout_id"] == NUM_ROLLOUT
+    held_groups = [g[0]["group_index"] for g in held["completed"] + held["interrupted"] + held["dropped"]]
+    assert sorted(groups + held_groups) == list(range(held["data_source"]["sample_group_index"]))
+
+
 def engine_processes(model_dir: Path) -> list[int]:
     """PIDs of live processes whose command line names the kit's model (engine servers)."""
     pids = []
