@@ -801,7 +801,9 @@ def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         else:
             if name in FIELD_SECTION:
                 section = FIELD_SECTION[name]
-                nested.setdefault(section, {})[name] = _typed_value(token, _field_kind(section, name), values)
+                aliased = flag.replace("-", "_") in _FLAG_ALIASES
+                nested.setdefault(section, {})[name] = True if aliased and not values else \
+                    _typed_value(token, _field_kind(section, name), values)  # --async: a plain flag
                 origin[f"{section}.{name}"] = f"--{flag}"
             else:
                 nested.setdefault("megatron", {})[name] = _pass_value(token, values)

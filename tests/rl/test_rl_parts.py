@@ -35,6 +35,34 @@ def test_async_flag_is_slime_spelling_and_refused_with_colocate(tmp_path):
         load_config(str(path), ["--async"])
 
 
+def test_async_modes_and_the_staleness_bound_are_checked_together(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sync:\n  async_mode: true\n")  # a YAML bool, as --async: one-step-off
+    assert load_config(str(path)).sync.async_mode == "one_step_off"
+    path.write_text("{}\n")
+    config = load_config(str(path), ["--async-mode", "fully", "--max-policy-version-lag", "2",
+                                     "--stale-sample-policy", "regenerate"])
+    assert (config.sync.async_mode, config.sync.max_policy_version_lag, config.sync.stale_sample_policy) == \
+        ("fully", 2, "regenerate")
+    assert load_config(str(path), ["--max-policy-version-lag", "0"]).sync.max_policy_version_lag == 0  # sync: 0
+    with pytest.raises(ConfigError, match=r"one_step_off .* up to 1 versions behind, above the bound 0"):
+        load_config(str(path), ["--async", "--max-policy-version-lag", "0"])
+    with pytest.raises(ConfigError, match=r"update_weights_interval 3 trains samples up to 2 versions behind"):
+        load_config(str(path), ["--update-weights-interval", "3", "--max-policy-version-lag", "1"])
+    with pytest.raises(ConfigError, match=r"partial rollout carries tokens across steps.*--async-mode fully"):
+        load_config(str(path), ["--partial-rollout", "--max-policy-version-lag", "1"])
+    with pytest.raises(ConfigError, match=r"rollout_function_path: fully async mode runs its own generation"):
+        load_config(str(path), ["--async-mode", "fully", "--rollout-function-path", "my.rollout"])
+    with pytest.raises(ConfigError, match=r"async \(fully\) generation needs separate train and rollout GPUs"):
+        load_config(str(path), ["--async-mode", "fully", "--colocate"])
+    with pytest.raises(ConfigError, match=r"async_mode.*'off', 'one_step_off' or 'fully'"):
+        load_config(str(path), ["--async-mode", "sometimes"])
+    with pytest.raises(ConfigError, match="max_policy_version_lag"):
+        load_config(str(path), ["--max-policy-version-lag", "-1"])
+    with pytest.raises(ConfigError, match="cannot run with run.debug_rollout_only"):
+        check_rl_config(base(tmp_path, sync={"async_mode": "fully"}, run={"debug_rollout_only": True}))
+
+
 def test_rl_config_checks_name_the_fields(tmp_path):
     check_rl_config(base(tmp_path))
     with pytest.raises(ConfigError, match=r"run.run_id \(--run-id\)"):

@@ -1,0 +1,125 @@
+"""Samples trained per second in sync, one-step-off and fully async mode, side by side in one run.
+
+    python bench/async.py --model tiny --prompts 4 --samples 4 --max-new-tokens 48            # CPU
+    python bench/async.py --model 0.5b --prompts 32 --samples 8 --max-new-tokens 1024     # two GPUs
+
+Each mode runs `slime.rl.RLLoop` (Ray, one train rank, one built-in engine behind the real sglang-router,
+no Prefect) for `--warmup` + `--iterations` GRPO steps on the same model, prompts and seed, with a sync
+every step; the configuration is rollout-bound (long responses, a small model to train). The engine and
+the trainer are separate Ray actors: on GPUs one each (async modes cannot release the engine's memory while
+training; sharing one GPU through Ray's fractional GPUs needs a placement this project does not build
+yet), on the CPU they share the cores. Throughput is the samples of the measured steps over their wall time (from the first
+measured step's start to the last one's metrics line). Also reported per mode: median trainer idle (waiting
+for a batch), median engine idle (fully async: nothing in flight), the largest staleness trained on and
+the mean reward of the measured steps (learning is the same when these agree). Prints a table and one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rl_step import workspace
+
+from slime.config import Config
+from slime.rl import RLLoop
+
+MODES = ("off", "one_step_off", "fully")
+
+
+def build_config(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, store: str,
+                 cuda: bool) -> Config:
+    n = args.prompts * args.samples
+    cluster: dict[str, Any] = {"colocate": False, "offload_rollout": False, "offload_train": False}
+    if cuda:
+        cluster.update(actor_num_gpus_per_node=1, rollout_num_gpus=1)
+    return Config.model_validate({
+        "run": {"store": store, "run_id": f"async-{mode}", "seed": 1},
+        "cluster": cluster,
+        "checkpoint": {"hf_checkpoint": model_dir},
+        "data": {"prompt_data": prompts, "apply_chat_template": True},
+        "rollout": {"rollout_batch_size": args.prompts, "n_samples_per_prompt": args.samples,
+                    "num_rollout": args.warmup + args.iterations, "rollout_max_response_len": args.max_new_tokens,
+                    "rollout_temperature": 1.0, "partial_rollout": mode == "fully"},
+        "reward": {"rm_type": "math_verify"},
+        "algorithm": {"advantage_estimator": "grpo"},
+        "sync": {"async_mode": mode, "max_policy_version_lag": args.max_lag if mode == "fully" else None},
+        "train": {"global_batch_size": n, "micro_batch_size": args.micro_batch_size, "lr": 1e-6},
+        "megatron": {"bf16": cuda},
+    })
+
+
+def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, scratch: Path,
+             cuda: bool) -> dict[str, Any]:
+    """One mode's run; its throughput and idle figures over the measured steps."""
+    config = build_config(args, mode, model_dir, prompts, str(scratch / "store"), cuda)
+    loop = RLLoop(config, num_gpus=2 if cuda else 0)
+    records: list[dict[str, Any]] = []
+    try:
+        loop.setup()
+        start = None
+        for rollout_id in range(loop.num_rollout):
+            if rollout_id == args.warmup:
+                start = time.monotonic()
+            rollout = loop.rollout(rollout_id)
+            loop.train(rollout_id, rollout["uri"])
+            loop.sync(rollout_id)
+            record = loop.log_step(rollout_id)
+            if rollout_id >= args.warmup:
+                records.append(record)
+        wall = time.monotonic() - start
+    finally:
+        loop.close()
+    samples = len(records) * args.prompts * args.samples
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in records if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"mode": mode, "samples_per_s": samples / wall, "wall_s": wall, "steps": len(records),
+            "trainer_idle_s": median("perf/trainer_idle_s") if mode == "fully" else median("perf/rollout_wait_s"),
+            "engine_idle_s": median("perf/engine_idle_s"),
+            "max_staleness": max((r.get("async/staleness/max", 0) for r in records), default=0),
+            "reward_mean": statistics.fmean(r.get("rl/reward_mean", 0.0) for r in records)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", choices=["tiny", "0.5b", "1.5b"])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--max-lag", type=int, default=1, help="fully async: --max-policy-version-lag")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        scratch = Path(tmp)
+        model_dir, prompts = workspace(args.model, scratch, torch.bfloat16 if cuda else torch.float32)
+        for mode in args.modes.split(","):
+            rows.append(run_mode(args, mode, model_dir, prompts, scratch / mode, cuda))
+    base = next((r["samples_per_s"] for r in rows if r["mode"] == "off"), None)
+    print(f"{'mode':<14}{'samples/s':>11}{'vs sync':>9}{'trainer idle':>14}{'engine idle':>13}{'max lag':>9}"
+          f"{'reward':>8}")
+    for r in rows:
+        ratio = r["samples_per_s"] / base if base else float("nan")
+        engine = "-" if r["engine_idle_s"] is None else f"{r['engine_idle_s']:.2f}"
+        trainer = "-" if r["trainer_idle_s"] is None else f"{r['trainer_idle_s']:.2f}"
+        print(f"{r['mode']:<14}{r['samples_per_s']:>11.2f}{ratio:>9.2f}{trainer:>14}{engine:>13}"
+              f"{r['max_staleness']:>9}{r['reward_mean']:>8.3f}")
+    print(json.dumps({"model": args.model, "device": "cuda" if cuda else "cpu", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
