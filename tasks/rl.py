@@ -37,7 +37,9 @@ CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "
 TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
                  "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",
                  "rl/train_s": "train_s", "rl/sync_s": "sync_s",
-                 "rl/logprob_abs_diff": "logprob_abs_diff"}
+                 "rl/logprob_abs_diff": "logprob_abs_diff",
+                 "async/groups/stale_dropped": "stale_dropped", "async/groups/stale_regenerated": "stale_regenerated",
+                 "perf/trainer_idle_s": "trainer_idle_s", "perf/engine_idle_s": "engine_idle_s"}
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rl.loop",))
 STEP = {"cache_policy": NO_CACHE, "persist_result": False, "tags": [GPU_TAG]}
@@ -82,6 +84,8 @@ def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[st
     for key, column in TABLE_COLUMNS.items():
         value = record.get(key)
         row[column] = round(value, 6) if isinstance(value, float) else value
+    lags = {int(k.rsplit("_", 1)[1]): v for k, v in record.items() if k.startswith("async/staleness/lag_")}
+    row["staleness"] = " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items())) or None  # versions behind: samples
     evals = {k.split("/")[1]: v for k, v in record.items() if k.startswith("eval/") and k.endswith("/mean_reward")}
     row["eval_mean_reward"] = ", ".join(f"{n} {v:.4f}" for n, v in sorted(evals.items())) or None
     if prefect_s is not None:

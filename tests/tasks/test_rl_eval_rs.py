@@ -62,6 +62,17 @@ def test_metric_rows_take_the_headline_numbers_and_eval_rewards():
     row = table_row(record, prefect_s=0.1234)
     assert row["iteration"] == 3 and row["reward_mean"] == 0.25 and row["grad_norm"] == 1.5
     assert row["ppo_kl"] is None and row["eval_mean_reward"] == "arithmetic 0.5000" and row["prefect_s"] == 0.123
+    assert row["staleness"] is None and row["stale_dropped"] is None
+
+
+def test_metric_rows_show_fully_async_staleness_and_idle_time():
+    record = {"rollout_id": 5, "async/staleness/lag_0": 12, "async/staleness/lag_1": 4, "async/staleness/lag_10": 1,
+              "async/staleness/max": 10, "async/groups/stale_dropped": 2, "async/groups/stale_regenerated": 0,
+              "perf/trainer_idle_s": 0.25, "perf/engine_idle_s": 1.5}
+    row = table_row(record)
+    assert row["staleness"] == "0:12 1:4 10:1"  # versions behind: samples, in order
+    assert (row["stale_dropped"], row["stale_regenerated"], row["trainer_idle_s"], row["engine_idle_s"]) == \
+        (2, 0, 0.25, 1.5)
 
 
 def png_size(png: bytes) -> tuple[int, int, bytes]:
