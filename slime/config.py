@@ -962,7 +962,15 @@ def check_async_mode(config: Config, fail: Any) -> None:
         fail("rollout.rollout_function_path", "fully async mode runs its own generation loop "
              f"(slime.rl.fully_async); a custom rollout function ({rollout.rollout_function_path}) runs in the "
              "off or one_step_off modes", "sync.async_mode")
-    if sync.max_policy_version_lag is None or sync.async_mode == "fully":
+    if sync.async_mode == "fully":
+        window = 1 if sync.max_policy_version_lag is None else sync.max_policy_version_lag  # fully_async's window
+        if sync.update_weights_interval > window + 1:
+            fail("sync.update_weights_interval", f"fully async generation runs at most {window} batch(es) ahead of "
+                 f"the engines' weights (max_policy_version_lag, 1 when unset): syncing only every "
+                 f"{sync.update_weights_interval} steps would starve it; use at most {window + 1}",
+                 "sync.max_policy_version_lag")
+        return
+    if sync.max_policy_version_lag is None:
         return
     if rollout.partial_rollout:
         fail("sync.max_policy_version_lag", "partial rollout carries tokens across steps, and the bound is enforced "

@@ -55,6 +55,9 @@ def test_async_modes_and_the_staleness_bound_are_checked_together(tmp_path):
         load_config(str(path), ["--async-mode", "fully", "--rollout-function-path", "my.rollout"])
     with pytest.raises(ConfigError, match=r"async \(fully\) generation needs separate train and rollout GPUs"):
         load_config(str(path), ["--async-mode", "fully", "--colocate"])
+    with pytest.raises(ConfigError, match=r"syncing only every 3 steps would starve it; use at most 2"):
+        load_config(str(path), ["--async-mode", "fully", "--update-weights-interval", "3"])
+    load_config(str(path), ["--async-mode", "fully", "--update-weights-interval", "3", "--max-policy-version-lag", "2"])
     with pytest.raises(ConfigError, match=r"async_mode.*'off', 'one_step_off' or 'fully'"):
         load_config(str(path), ["--async-mode", "sometimes"])
     with pytest.raises(ConfigError, match="max_policy_version_lag"):
