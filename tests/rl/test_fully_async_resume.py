@@ -7,12 +7,10 @@ by the final checkpoint; none lost, none repeated; no trained sample is more tha
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ray"))  # rl_setup
 from rl_setup import rl_config  # noqa: E402
 from test_sigkill_resume import (  # noqa: E402
     AGENTS,
-    PLUGINS,
     RUN_TIMEOUT_S,
     alive,
-    command,
     describe,
     run_to_end,
+    spawn,
     wait_gone,
 )
 
@@ -62,9 +59,7 @@ def kill_after_next_checkpoint(config_file: Path, save: str, log: Path, rng: ran
     before = latest_checkpoint(save)
     started: list[psutil.Process] = []
     ray_dirs: set[str] = set()
-    with open(log, "ab") as out:
-        child = subprocess.Popen(command(config_file), env={**os.environ, "PYTHONPATH": PLUGINS},
-                                 stdout=subprocess.DEVNULL, stderr=out)
+    child = spawn(config_file, log)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while latest_checkpoint(save) == before:

@@ -57,6 +57,13 @@ def command(config_file: Path) -> list[str]:
     return [sys.executable, "-m", "slime.rl", "--config", str(config_file)]
 
 
+def spawn(config_file: Path, log: Path) -> subprocess.Popen:
+    """The command in the background, stderr appended to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(command(config_file), env={**os.environ, "PYTHONPATH": PLUGINS},
+                                stdout=subprocess.DEVNULL, stderr=out)
+
+
 def run_to_end(config_file: Path, log: Path) -> dict:
     """The command to its end (exit 0); its JSON summary."""
     with open(log, "ab") as out:
@@ -115,9 +122,7 @@ def test_sigkill_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_ki
     log = tmp_path / "killed.log"
     started: list[psutil.Process] = []
     ray_dirs: set[str] = set()
-    with open(log, "ab") as out:
-        child = subprocess.Popen(command(config_file), env={**os.environ, "PYTHONPATH": PLUGINS},
-                                 stdout=subprocess.DEVNULL, stderr=out)
+    child = spawn(config_file, log)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while latest_checkpoint(save) is None:  # a checkpoint exists only once its manifest is committed
