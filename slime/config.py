@@ -404,6 +404,8 @@ class ExportConfig(_Section):
                                                      "None: {store}/{run_id}/export/hf; relative: under {store}/{run_id}")
     origin_hf_dir: str | None = Field(None, description="HF dir for config and tokenizer; default: the one "
                                                         "recorded in the checkpoint")
+    merge: bool = Field(True, description="a LoRA checkpoint: write merged HF weights (base + scale * B @ A); false: "
+                                          "a PEFT adapter directory (peft.PeftModel.from_pretrained(base, dir))")
 
 
 class EvalConfig(_Section):

@@ -32,7 +32,7 @@ OUTPUT_NAME = "checkpoint"
 # what the trained policy depends on besides the start checkpoint, prompts and tokenizer (inputs);
 # save_interval/eval_interval/use_tensorboard only add checkpoints, evals and logs
 CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "engine", "sglang", "megatron",
-                 "data", "eval", "checkpoint.no_save_optim", "run.seed")
+                 "data", "eval", "checkpoint.no_save_optim", "run.seed", "lora")
 # headline keys of a step record -> column of the metrics table
 TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
                  "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",

@@ -198,10 +198,17 @@ def adapters_disabled(models: list[torch.nn.Module]) -> Iterator[None]:
             layer._lora.enabled = enabled
 
 
+def named_adapters(models: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of this rank's adapters (names of the unwrapped model)."""
+    for model in models:
+        for name, param in _unwrap(model).named_parameters():
+            if is_adapter_name(name):
+                yield name, param
+
+
 def adapter_tensors(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """A detached copy of this rank's adapter tensors by parameter name (a reference snapshot)."""
-    return {name: param.detach().clone() for model in models for name, param in _unwrap(model).named_parameters()
-            if is_adapter_name(name)}
+    return {name: param.detach().clone() for name, param in named_adapters(models)}
 
 
 @contextlib.contextmanager
@@ -213,8 +220,7 @@ def reference_adapters(models: list[torch.nn.Module], snapshot: dict[str, torch.
             yield
         return
     current = adapter_tensors(models)
-    params = {name: param for model in models for name, param in _unwrap(model).named_parameters()
-              if is_adapter_name(name)}
+    params = dict(named_adapters(models))
     with torch.no_grad():
         for name, value in snapshot.items():
             params[name].copy_(value)
