@@ -149,10 +149,18 @@ class TrainActor:
         """LoRA: the base, then the adapters (a resume's, else the starting ones); the KL reference stays in
         this model (slime/backends/megatron/lora_weights.py says which base, adapters and reference)."""
         from slime.backends.megatron import lora_weights
-        from slime.backends.megatron.checkpoint import latest_checkpoint, load_checkpoint
+        from slime.backends.megatron.checkpoint import (
+            latest_checkpoint,
+            load_checkpoint,
+            read_checkpoint_manifest,
+        )
 
         c = self.config
         resume = latest_checkpoint(c.checkpoint.save) if c.checkpoint.save else None
+        start_from = lora_weights.lora_checkpoint(c.checkpoint.load) if resume is None else None
+        if start_from and read_checkpoint_manifest(start_from).metadata.get("stage") == STAGE and \
+                read_checkpoint_manifest(start_from).metadata.get("training_state"):
+            resume = start_from  # a full RL checkpoint as --load resumes, as without LoRA
         self.lora_kl = bool(c.algorithm.use_kl_loss or c.algorithm.kl_coef)
         if resume is None:
             self.lora_reference = lora_weights.start_weights(self.bridge, self.models, c)
