@@ -156,6 +156,8 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
                "resumed": setup["resumed"], "iterations_run": loop.num_rollout - setup["start_rollout_id"],
                "reward_mean_last": last.get("rl/reward_mean"), "metrics_uri": loop.metrics_uri,
                "prefect_s_per_iteration": _mean([r["prefect_s"] for r in rows if "prefect_s" in r])}
+    # LoRA: rank, trainable / total parameters and peak memory of the train rank (docs/lora.md)
+    metrics.update({key.replace("/", "_"): value for key, value in last.items() if key.startswith("lora/")})
     return stage_result("rl", {"checkpoint": (checkpoint, manifest_hash(checkpoint, config.run.storage_options))},
                         metrics, phases, rows=rows)
 

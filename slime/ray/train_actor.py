@@ -293,7 +293,7 @@ class TrainActor:
         if self.lora_spec is not None:
             from slime.backends.megatron.lora import count_parameters
 
-            metrics.update({"lora/rank": float(self.lora_spec.rank),
+            metrics.update({"lora/rank": float(self.lora_spec.rank), "lora/peak_memory_bytes": _peak_memory_bytes(),
                             **{f"lora/{k}_params": float(v) for k, v in count_parameters(self.models).items()}})
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
                         "rollout/raw_reward": sum(raw) / len(raw),
@@ -518,6 +518,17 @@ class TrainActor:
         if self.syncer is not None:
             self._loop.run_until_complete(self.syncer.close())
             self.syncer = None
+
+
+def _peak_memory_bytes() -> float:
+    """This rank's peak memory: allocated GPU memory under CUDA, else the process's peak resident set."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
 
 
 def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:

@@ -35,7 +35,7 @@ def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):
     assert rows["step 0"]["rollout/kl"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # lr 0: B stays 0
     assert rows["step 1"]["rollout/kl"] == 0.0 < rows["step 1"]["moved"], rows  # KL is taken before the step
     assert rows["step 2"]["rollout/kl"] > 0.0 and rows["step 2"]["moved"] > rows["step 1"]["moved"], rows
-    assert rows["step 2"]["lora/rank"] == 4.0
+    assert rows["step 2"]["lora/rank"] == 4.0 and rows["step 2"]["lora/peak_memory_bytes"] > 0
     assert 0 < rows["step 2"]["lora/trainable_params"] < rows["step 2"]["lora/total_params"] / 10, rows
     resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", "--lora",
                                       timeout=600))
