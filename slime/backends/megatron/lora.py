@@ -162,10 +162,23 @@ def _forward(self: torch.nn.Module, input_: torch.Tensor, *args: Any, **kwargs: 
     state: _State = self._lora
     if not state.enabled:
         return output, bias
-    x = F.dropout(input_, state.spec.dropout) if self.training and state.spec.dropout else input_
+    x = _dropout(input_, state) if self.training and state.spec.dropout else input_
     h = F.linear(x, self.lora_a)  # [s, b, r]: whole (column) or this rank's partial sum (row)
     h = copy_to_tensor_model_parallel_region(h) if state.column else reduce_from_tensor_model_parallel_region(h)
     return output + state.spec.scale * F.linear(h, self.lora_b), bias
+
+
+def _dropout(x: torch.Tensor, state: _State) -> torch.Tensor:
+    """Dropout on the adapter's input. A column-parallel input is the same on every TP rank: its mask comes from
+    the default generator, which megatron seeds alike on every TP rank. A row-parallel input is this rank's
+    slice: under TP its mask comes from megatron's model-parallel generator, which differs per rank."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if state.column or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return F.dropout(x, state.spec.dropout)
+    with get_cuda_rng_tracker().fork():
+        return F.dropout(x, state.spec.dropout)
 
 
 def adapted_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
