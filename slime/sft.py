@@ -91,7 +91,7 @@ def run_sft(config: Config) -> dict[str, Any]:
         from slime.backends.megatron import lora_weights
 
         if resume_from is not None:
-            lora_weights.load_base(bridge, models, lora_weights.resumed_base(resume_from))
+            lora_weights.load_base(bridge, models, lora_weights.recorded_base(resume_from))
         else:
             lora_weights.start_weights(bridge, models, config)
             optimizer.reload_model_params()

@@ -166,7 +166,7 @@ class TrainActor:
             self.lora_reference = lora_weights.start_weights(self.bridge, self.models, c)
             self.optimizer.reload_model_params()
             return 0
-        lora_weights.load_base(self.bridge, self.models, lora_weights.resumed_base(resume))
+        lora_weights.load_base(self.bridge, self.models, lora_weights.recorded_base(resume))
         if self.lora_kl:
             self.lora_reference = lora_weights.reference_snapshot(self.models, c)
         state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler)

@@ -3,8 +3,9 @@
 A LoRA checkpoint holds adapters only, so every stage first fills the base, then the adapters:
 
 * base: `checkpoint.load` when it is a full (non-LoRA) checkpoint (e.g. a full SFT or a conversion);
-  else `checkpoint.ref_load` when set; else `checkpoint.hf_checkpoint`. On a resume, the base recorded in
-  the checkpoint being resumed (its source; its content hash is checked on load).
+  else the base recorded in the LoRA checkpoint the adapters start from (the pipeline's LoRA SFT trained
+  on the conversion); else `checkpoint.ref_load` when set; else `checkpoint.hf_checkpoint`. On a resume,
+  the base recorded in the checkpoint being resumed (its content hash is checked on load).
 * starting adapters: `checkpoint.load` when it is a LoRA checkpoint (the pipeline's LoRA SFT), else
   `lora.lora_adapter_path`, else fresh ones (B = 0).
 * KL reference: the policy the stage starts from, in the same model: base + the starting adapters, kept
@@ -43,6 +44,9 @@ def base_source(config: Any) -> str:
     ck = config.checkpoint
     if ck.load and not lora_checkpoint(ck.load):
         return resolve_checkpoint(ck.load)
+    adapters = adapter_source(config)
+    if adapters is not None:
+        return recorded_base(adapters)
     if ck.ref_load:
         if lora_checkpoint(ck.ref_load):
             raise ConfigError(f"checkpoint.ref_load {ck.ref_load} holds LoRA adapters: with LoRA the KL reference "
@@ -64,8 +68,8 @@ def adapter_source(config: Any) -> str | None:
     return adapters
 
 
-def resumed_base(path: str) -> str:
-    """The base source recorded in the LoRA checkpoint at `path` (the one a resume must load)."""
+def recorded_base(path: str) -> str:
+    """The base source recorded in the LoRA checkpoint at `path` (the one its adapters belong to)."""
     from slime.storage import read_manifest
 
     saved = read_manifest(path).metadata.get("lora") or {}
