@@ -61,3 +61,22 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
     peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
     assert (_log_probs(full, tokens) - _log_probs(peft, tokens)).abs().max() < 1e-5
     assert (_log_probs(full, tokens) - untouched).abs().max() > 1e-2
+
+
+def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
+    from test_sft_stage import model_weights
+
+    flags = ["sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
+             "--global-batch-size", "16", "--micro-batch-size", "16", "--sft-lr", "1e-2", "--sft-num-epoch", "2",
+             "--sft-save-interval", "3", "--lora-dropout", "0.1", *LORA]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(*flags, "--save", str(whole))
+    cut.mkdir()
+    shutil.copytree(whole / "iter_0000003", cut / "iter_0000003")  # a run stopped right after its step-3 save
+    resumed = run(*flags, "--save", str(cut))
+    assert resumed["resumed_from"] == str(cut / "iter_0000003")
+    final_whole, final_cut = model_weights(whole / "iter_0000004"), model_weights(cut / "iter_0000004")
+    assert sorted(final_whole) == sorted(final_cut) and all(k.endswith(("lora_a", "lora_b")) for k in final_whole)
+    assert len(final_whole) == 2 * 4 * 4  # A and B of 4 linear layers in each of the test kit's 4 layers
+    for name, tensor in final_whole.items():
+        assert torch.equal(tensor, final_cut[name]), name
