@@ -63,6 +63,7 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
     assert (_log_probs(full, tokens) - untouched).abs().max() > 1e-2
 
 
+@pytest.mark.slow  # ~90 s on 2 loaded cores; the bit-exact LoRA resume of test_checkpoint_resume.py runs in CI
 def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
     from test_sft_stage import model_weights
 
