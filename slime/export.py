@@ -7,6 +7,10 @@
 iteration). The model is rebuilt from the HF config recorded at conversion, the weights are mapped
 back through mbridge with the padded vocabulary rows removed, and the config, generation config and
 tokenizer files are copied from the origin HF directory. The output is committed with a manifest.
+
+A LoRA checkpoint (adapters only, docs/lora.md) is exported on the base it records: merged weights
+(base + scale * B @ A) as a plain HF directory, or with `--merge false` a PEFT adapter directory
+(`adapter_config.json`, `adapter_model.safetensors`, the tokenizer files) for `peft.PeftModel.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def run_export(config: Config) -> dict[str, Any]:
     dtype = torch.bfloat16 if meta.get("dtype") == "bfloat16" else torch.float32
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(origin, dtype)
+    saved_lora = meta.get("lora")
+    if saved_lora:
+        return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out)
     models = build_model(bridge)
     load_model_checkpoint(models, path)
     files = save_hf_weights(export_hf_weights(bridge, models), out)
@@ -69,6 +76,36 @@ def run_export(config: Config) -> dict[str, Any]:
     commit_directory(out, "hf_model", metadata={"source_checkpoint": path, "iteration": meta.get("iteration"),
                                                 "weights": files, "origin_hf_dir": origin})
     return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
+
+
+def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], origin: str, out: str) -> dict[str, Any]:
+    """A LoRA checkpoint on its recorded base: merged HF weights, or (merge false) a PEFT adapter directory."""
+    from slime.backends.megatron.bridge import build_model, export_hf_weights
+    from slime.backends.megatron.checkpoint import load_model_checkpoint
+    from slime.backends.megatron.hf_export import save_hf_weights
+    from slime.backends.megatron.lora import LoraSpec, lora_callback
+    from slime.backends.megatron.lora_export import save_peft_adapter
+    from slime.backends.megatron.lora_weights import load_base
+    from slime.storage import commit_directory, manifest_hash
+
+    spec = LoraSpec(rank=saved["rank"], alpha=saved["alpha"], dropout=saved.get("dropout", 0.0),
+                    targets=tuple(saved["targets"]))
+    models = build_model(bridge, post_create=lora_callback(spec))
+    load_base(bridge, models, saved["base"]["source"])
+    load_model_checkpoint(models, path)
+    if config.export.merge:
+        kind, files = "hf_model", save_hf_weights(export_hf_weights(bridge, models), out)
+    else:
+        save_peft_adapter(bridge, models, out, base_model=origin)
+        kind, files = "peft_adapter", sorted(os.listdir(out))
+    for name in _HF_SIDE_FILES:  # a PEFT directory's config is its adapter_config.json
+        if (name != "config.json" or kind == "hf_model") and os.path.isfile(os.path.join(origin, name)):
+            shutil.copyfile(os.path.join(origin, name), os.path.join(out, name))
+    commit_directory(out, kind, metadata={"source_checkpoint": path, "iteration": saved.get("iteration"),
+                                          "weights": files, "origin_hf_dir": origin, "lora": saved})
+    # "hf_dir" either way, as callers read it; "format" says which
+    return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path,
+            "format": "merged" if kind == "hf_model" else "peft"}
 
 
 if __name__ == "__main__":

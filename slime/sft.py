@@ -49,6 +49,7 @@ def run_sft(config: Config) -> dict[str, Any]:
         load_model_checkpoint,
     )
     from slime.backends.megatron.freeze import freeze_callback
+    from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.convert import megatron_dtype
@@ -81,14 +82,25 @@ def run_sft(config: Config) -> dict[str, Any]:
 
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, megatron_dtype(config))
+    lora_spec = LoraSpec.from_config(config)  # LoRA: adapters on the frozen base (docs/lora.md)
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,
-                         post_create=freeze_callback(config.train.only_train_params_name_list,
-                                                     config.train.freeze_params_name_list))
+                         post_create=lora_callback(lora_spec) or freeze_callback(
+                             config.train.only_train_params_name_list, config.train.freeze_params_name_list))
     optimizer, scheduler = build_optimizer_and_scheduler(models, config, total_steps)
+    if lora_spec is not None:
+        from slime.backends.megatron import lora_weights
+
+        if resume_from is not None:
+            lora_weights.load_base(bridge, models, lora_weights.recorded_base(resume_from))
+        else:
+            lora_weights.start_weights(bridge, models, config)
+            optimizer.reload_model_params()
     if resume_from is not None:
         state = load_checkpoint(models, resume_from, optimizer, scheduler)
         done, losses = state.iteration, list(state.extra_state.get("sft_losses", []))
         logger.info("resumed SFT from %s at step %d", resume_from, done + 1)
+    elif lora_spec is not None:
+        done, losses = 0, []
     else:
         done, losses = 0, []
         if config.checkpoint.load:
@@ -125,7 +137,11 @@ def run_sft(config: Config) -> dict[str, Any]:
                 save_at(step)
     if not is_committed(path):
         save_at(total_steps)
-    return _summary(path, losses, resume_from)
+    summary = _summary(path, losses, resume_from)
+    if lora_spec is not None:
+        counts = count_parameters(models)
+        summary.update(lora_rank=lora_spec.rank, trainable_params=counts["trainable"], total_params=counts["total"])
+    return summary
 
 
 def _summary(path: str, losses: list[float], resumed_from: str | None) -> dict[str, Any]:

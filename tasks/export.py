@@ -10,8 +10,9 @@ from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 OUTPUT_NAME = "hf"
-# run_export reads only its inputs (checkpoint, optional origin HF dir) and its output location
-CONFIG_FIELDS: tuple[str, ...] = ()
+# run_export reads its inputs (checkpoint, optional origin HF dir), its output location and, for a LoRA
+# checkpoint, whether to merge the adapters
+CONFIG_FIELDS: tuple[str, ...] = ("export.merge",)
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.export",))
 

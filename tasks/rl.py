@@ -32,7 +32,7 @@ OUTPUT_NAME = "checkpoint"
 # what the trained policy depends on besides the start checkpoint, prompts and tokenizer (inputs);
 # save_interval/eval_interval/use_tensorboard only add checkpoints, evals and logs
 CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "engine", "sglang", "megatron",
-                 "data", "eval", "checkpoint.no_save_optim", "run.seed")
+                 "data", "eval", "checkpoint.no_save_optim", "run.seed", "lora")
 # headline keys of a step record -> column of the metrics table
 TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
                  "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",
@@ -160,6 +160,8 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
                "resumed": setup["resumed"], "iterations_run": loop.num_rollout - setup["start_rollout_id"],
                "reward_mean_last": last.get("rl/reward_mean"), "metrics_uri": loop.metrics_uri,
                "prefect_s_per_iteration": _mean([r["prefect_s"] for r in rows if "prefect_s" in r])}
+    # LoRA: rank, trainable / total parameters and peak memory of the train rank (docs/lora.md)
+    metrics.update({key.replace("/", "_"): value for key, value in last.items() if key.startswith("lora/")})
     return stage_result("rl", {"checkpoint": (checkpoint, manifest_hash(checkpoint, config.run.storage_options))},
                         metrics, phases, rows=rows)
 

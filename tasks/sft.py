@@ -14,7 +14,7 @@ OUTPUT_NAME = "checkpoint"
 # save_interval is left out: it adds intermediate checkpoints, the final one is the same
 CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "sft.sft_lr", "sft.sft_min_lr", "sft.sft_lr_warmup_iters",
                  "sft.sft_lr_decay_style", "train", "algorithm.calculate_per_token_loss",
-                 "checkpoint.no_save_optim", "data.tool_key", "megatron", "run.seed")
+                 "checkpoint.no_save_optim", "data.tool_key", "megatron", "run.seed", "lora")
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",))
 
@@ -29,5 +29,6 @@ def sft(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dic
     with phases.time("sft"):
         result = run_sft(with_fields(config, checkpoint__load=inputs["load"], sft__sft_data=inputs["sft_data"],
                                      checkpoint__hf_checkpoint=inputs["hf_checkpoint"], checkpoint__save=output))
-    metrics = {key: result.get(key) for key in ("steps", "first_loss", "last_loss", "resumed_from")}
+    metrics = {key: result.get(key) for key in ("steps", "first_loss", "last_loss", "resumed_from", "lora_rank",
+                                                "trainable_params", "total_params") if key in result}
     return stage_result("sft", {"checkpoint": (result["checkpoint"], result["manifest_hash"])}, metrics, phases)

@@ -180,3 +180,34 @@ def test_sft_schedule_overrides_train_for_sft_only_and_is_checked():
     assert (sft.lr, sft.min_lr, sft.lr_decay_style) == (2e-3, 1e-6, "cosine")
     with pytest.raises(ConfigError, match=r"sft\.sft_min_lr: min_lr 0\.01 is above lr 0\.002"):
         load_config(overrides=["--sft-lr", "2e-3", "--sft-min-lr", "1e-2"])
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def test_lora_targets_map_hf_names_to_megatron_layers():
+    config = load_config(None, ["--lora-rank", "8", "--lora-alpha", "32",
+                                "--target-modules", "q_proj,k_proj,v_proj,down_proj"])
+    assert config.lora.enabled and config.lora.scale == 4.0
+    assert config.lora.megatron_targets() == ["linear_qkv", "linear_fc2"]
+    assert load_config(None, ["--lora-rank", "4"]).lora.megatron_targets() == \
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert not load_config(None, []).lora.enabled
+
+
+@pytest.mark.parametrize("targets, message", [
+    ("q_proj", "q_proj lives in Megatron's fused linear_qkv .*missing k_proj, v_proj"),
+    ("gate_proj,down_proj", "gate_proj lives in Megatron's fused linear_fc1 .*missing up_proj"),
+    ("lm_head", "'lm_head' maps to no Megatron linear layer"),
+    ("all-linear,o_proj", "all-linear already names every linear layer"),
+])
+def test_lora_targets_that_cannot_map_are_refused(targets, message):
+    with pytest.raises(ConfigError, match=f"--target-modules: lora.target_modules: .*{message}"):
+        load_config(None, ["--lora-rank", "8", "--target-modules", targets])
+
+
+def test_lora_refuses_partial_training_lists_and_an_adapter_without_rank():
+    with pytest.raises(ConfigError, match="--only-train-params-name-list: train.only_train_params_name_list: LoRA"):
+        load_config(None, ["--lora-rank", "8", "--only-train-params-name-list", "mlp"])
+    with pytest.raises(ConfigError, match="--lora-adapter-path: lora.lora_adapter_path: .* set lora_rank"):
+        load_config(None, ["--lora-adapter-path", "runs/x/sft/checkpoint"])

@@ -63,6 +63,7 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     export_config.checkpoint.load = checkpoint
     export_config.export.output_dir = export_uri
     export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
+    export_config.export.merge = True  # engines serve full weights: a LoRA checkpoint is merged
     logger.info("exporting %s to %s for serving", checkpoint, export_uri)
     return run_export(export_config)["hf_dir"]
 

@@ -89,6 +89,10 @@ class TrainActor:
         self.offloaded = False
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
         self.hooks: Any = None  # slime.backends.megatron.hooks.MegatronHooks, loaded by init
+        # --- LoRA (docs/lora.md): adapters on the frozen base; the KL reference is that base (+ starting adapters)
+        self.lora_spec: Any = None  # slime.backends.megatron.lora.LoraSpec when lora_rank > 0
+        self.lora_reference: Any = None  # starting adapters of the reference, None: the base alone
+        self.lora_kl = False  # the reference is computed in self.models (no ref_models)
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -107,6 +111,7 @@ class TrainActor:
         from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
         from slime.backends.megatron.freeze import freeze_callback
         from slime.backends.megatron.hooks import load_megatron_hooks
+        from slime.backends.megatron.lora import LoraSpec, lora_callback
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.convert import megatron_dtype
 
@@ -126,16 +131,48 @@ class TrainActor:
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.bridge = make_bridge(hf_dir, megatron_dtype(c))
+        self.lora_spec = LoraSpec.from_config(c)
         self.models = build_model(self.bridge, wrap_with_ddp=True,
                                   use_distributed_optimizer=c.train.use_distributed_optimizer,
-                                  post_create=freeze_callback(c.train.only_train_params_name_list,
-                                                              c.train.freeze_params_name_list))
+                                  post_create=lora_callback(self.lora_spec) or freeze_callback(
+                                      c.train.only_train_params_name_list, c.train.freeze_params_name_list))
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(self.models, c, total_train_steps(c))
+        if self.lora_spec is not None:
+            return self._load_lora_weights()
         start = self._load_weights()
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
         return start
+
+    def _load_lora_weights(self) -> int:
+        """LoRA: the base, then the adapters (a resume's, else the starting ones); the KL reference stays in
+        this model (slime/backends/megatron/lora_weights.py says which base, adapters and reference)."""
+        from slime.backends.megatron import lora_weights
+        from slime.backends.megatron.checkpoint import (
+            latest_checkpoint,
+            load_checkpoint,
+            read_checkpoint_manifest,
+        )
+
+        c = self.config
+        resume = latest_checkpoint(c.checkpoint.save) if c.checkpoint.save else None
+        start_from = lora_weights.lora_checkpoint(c.checkpoint.load) if resume is None else None
+        if start_from and read_checkpoint_manifest(start_from).metadata.get("stage") == STAGE and \
+                read_checkpoint_manifest(start_from).metadata.get("training_state"):
+            resume = start_from  # a full RL checkpoint as --load resumes, as without LoRA
+        self.lora_kl = bool(c.algorithm.use_kl_loss or c.algorithm.kl_coef)
+        if resume is None:
+            self.lora_reference = lora_weights.start_weights(self.bridge, self.models, c)
+            self.optimizer.reload_model_params()
+            return 0
+        lora_weights.load_base(self.bridge, self.models, lora_weights.recorded_base(resume))
+        if self.lora_kl:
+            self.lora_reference = lora_weights.reference_snapshot(self.models, c)
+        state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler)
+        self.loaded_extra_state = state.extra_state
+        logger.info("rank %d: resumed LoRA adapters from %s, next rollout %d", self.rank, resume, state.iteration + 1)
+        return state.iteration + 1
 
     def _load_weights(self) -> int:
         from slime.backends.megatron.checkpoint import (
@@ -253,6 +290,11 @@ class TrainActor:
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         metrics.update(stats)
         self._ci_checks(rollout_id, rows, metrics)
+        if self.lora_spec is not None:
+            from slime.backends.megatron.lora import count_parameters
+
+            metrics.update({"lora/rank": float(self.lora_spec.rank), "lora/peak_memory_bytes": _peak_memory_bytes(),
+                            **{f"lora/{k}_params": float(v) for k, v in count_parameters(self.models).items()}})
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
                         "rollout/raw_reward": sum(raw) / len(raw),
                         "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
@@ -324,6 +366,13 @@ class TrainActor:
             if self.hooks.before_log_prob is not None:
                 self.hooks.before_log_prob(c.as_namespace(), self.ref_models, "ref_")
             ref = compute_log_probs(self.ref_models, mine, **batching).log_probs
+        elif self.lora_kl:  # LoRA: the reference is the frozen base (+ starting adapters) of this model
+            from slime.backends.megatron.lora import reference_adapters
+
+            if self.hooks.before_log_prob is not None:
+                self.hooks.before_log_prob(c.as_namespace(), self.models, "ref_")
+            with reference_adapters(self.models, self.lora_reference):
+                ref = compute_log_probs(self.models, mine, **batching).log_probs
         old_padded, mask = stack_rows(mine, old)
         # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy
         sums = torch.zeros(7, dtype=torch.float64)
@@ -469,6 +518,17 @@ class TrainActor:
         if self.syncer is not None:
             self._loop.run_until_complete(self.syncer.close())
             self.syncer = None
+
+
+def _peak_memory_bytes() -> float:
+    """This rank's peak memory: allocated GPU memory under CUDA, else the process's peak resident set."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
 
 
 def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:

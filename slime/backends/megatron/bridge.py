@@ -10,6 +10,8 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
 3. The local spec has separate norm weights (`input_layernorm`, `pre_mlp_layernorm`) that mbridge's
    name maps do not know; they are added (the MLP map is chosen by "mlp" in the name).
 4. The fused kernels that need apex or TE are switched off.
+5. LoRA adapters (`lora.py`) are parameters mbridge has no HF name for: its local -> global name map
+   leaves them out, so loading HF weights fills the base and never touches an adapter.
 
 mbridge also writes the tied-embedding mapping into its *class* dict at construction, so a process
 that bridges a tied and then an untied model would map the output layer wrongly; each bridge gets
@@ -46,6 +48,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from slime.backends.megatron.attention import with_sdpa
+    from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -136,6 +139,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     # train step's log-probs read full-sequence outputs
     fusion_off["sequence_parallel"] = False
     bridge.set_extra_args(**fusion_off)
+    name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
+    bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
+        k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}
     return bridge
 
 
@@ -177,9 +183,12 @@ def export_hf_weights(bridge: Any, models: list[torch.nn.Module]) -> Any:
 
     Same names, order and values as mbridge's `export_weights`; without pipeline or expert
     parallelism it goes through `_export_local`, which drops mbridge's per-tensor object
-    collectives (docs/sync.md, "Export").
+    collectives (docs/sync.md, "Export"). A model with LoRA adapters exports merged weights
+    (base + scale * B @ A, `lora.merged_weight`) and no adapter tensor.
     """
     vocab = bridge.hf_config.vocab_size
+    if not uses_local_export(bridge) and any(has_adapters(m) for m in models):
+        raise ConfigError("LoRA weight export needs one pipeline stage and a dense model (no expert parallelism)")
     weights = _export_local(bridge, models) if uses_local_export(bridge) else bridge.export_weights(models)
     for name, tensor in weights:
         if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] > vocab:
@@ -194,8 +203,8 @@ def _export_local(bridge: Any, models: list[torch.nn.Module]) -> Any:
     memory and synchronises the device, ~0.5 ms: most of a colocated sync of a 0.5B model)."""
     for model in unwrap_model(models):
         local_to_global = _local_to_global(bridge, model)
-        for local_name, param in model.named_parameters():
-            names, tensors = _to_hf(bridge, local_to_global[local_name], param)
+        for local_name, param, values in named_export_tensors(model):
+            names, tensors = _to_hf(bridge, local_to_global[local_name], param, values)
             yield from zip(names, tensors, strict=True)
 
 
@@ -211,14 +220,23 @@ def _local_to_global(bridge: Any, model: torch.nn.Module) -> dict[str, str]:
 
 
 @torch.no_grad()  # views of parameters: no autograd graph (a plain function, so no_grad ends at return)
-def _to_hf(bridge: Any, name: str, param: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
-    """One Megatron parameter as HF (names, tensors): TP shards gathered and merged, then split."""
-    if getattr(param, "tensor_model_parallel", False):
-        shards = [param]
-        if bridge.mpu.tp_size > 1:
-            shards = [torch.empty_like(param) for _ in range(bridge.mpu.tp_size)]
-            dist.all_gather(shards, param, group=bridge.mpu.tp_group)
-        merged = bridge._weight_merge_across_tp(name, shards, param)
-    else:
-        merged = param
-    return bridge._weight_to_hf_format(name, merged)
+def _to_hf(bridge: Any, name: str, param: torch.Tensor,
+           values: torch.Tensor | None = None) -> tuple[list[str], list[torch.Tensor]]:
+    """One Megatron parameter as HF (names, tensors): TP shards gathered and merged, then split.
+    `values` replaces the parameter's data (a LoRA-merged weight of the same shard shape)."""
+    return bridge._weight_to_hf_format(name, gather_tensor_parallel(bridge, name, param, values))
+
+
+@torch.no_grad()
+def gather_tensor_parallel(bridge: Any, name: str, param: torch.Tensor,
+                           values: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole Megatron tensor of a tensor-parallel parameter (mbridge's merge for `name`, a global
+    Megatron name), or the parameter itself when it is not split. A collective over the TP group."""
+    values = param if values is None else values
+    if not getattr(param, "tensor_model_parallel", False):
+        return values
+    shards = [values]
+    if bridge.mpu.tp_size > 1:
+        shards = [torch.empty_like(values) for _ in range(bridge.mpu.tp_size)]
+        dist.all_gather(shards, values.contiguous(), group=bridge.mpu.tp_group)
+    return bridge._weight_merge_across_tp(name, shards, param)

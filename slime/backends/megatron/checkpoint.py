@@ -12,6 +12,11 @@ A model-only checkpoint (conversion, `--no-save-optim`) has just `model/` and th
 exists only once its manifest does; `latest_checkpoint` returns the newest committed iteration, so a
 crash mid-save leaves the previous checkpoint as the newest.
 
+With LoRA adapters on the model (`lora.py`), `model/` holds the adapters only and the manifest's `lora`
+entry records their rank, alpha, targets and the base they belong to (its source and content hash):
+loading such a checkpoint needs the same base already in the model, and loading a full checkpoint into
+a LoRA model fills its base.
+
 Loading checks before it touches any tensor: the architecture and dtype recorded in the manifest must
 match the model loaded into (always), and for a full training-state resume also the parallel layout
 (TP, PP, DP, DistributedOptimizer) and the LR schedule; each refusal names the differing field.
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron import lora
 from slime.backends.megatron.optimizer import (
     SCHEDULER_FIELDS,
     init_optimizer_state,
@@ -120,13 +126,17 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
     _barrier()
     os.makedirs(path, exist_ok=True)
     model = _single_chunk(models)
+    adapters = lora.lora_metadata(model)
+    if adapters is not None and adapters["base"] is None:
+        raise ConfigError("a LoRA checkpoint records the base its adapters belong to: call lora.set_base after "
+                          "loading the base weights")
     rng = capture_rng_state() if optimizer is not None else None
-    dist_checkpointing.save(model.sharded_state_dict(), _mkdir(path, "model"))
+    dist_checkpointing.save(_model_state(model), _mkdir(path, "model"))
     sharding = None
     if optimizer is not None:
         sharding = _sharding_type(optimizer, fully_reshardable)
         init_optimizer_state(optimizer)  # fix 1 (optimizer.py)
-        state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=False,
+        state = optimizer.sharded_state_dict(_model_state(model), is_loading=False,
                                              metadata=_sharding_metadata(sharding))
         dist_checkpointing.save(state, _mkdir(path, "optimizer"))
         _write_json(os.path.join(_mkdir(path, "rng"), f"rank_{rank:05d}.json"), rng)
@@ -138,7 +148,7 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
     if rank == 0:
         info = {"iteration": iteration, "format": "torch_dist", "model_signature": model_signature(models),
                 "parallel": parallel_layout(models, optimizer), "training_state": optimizer is not None,
-                "optimizer_sharding": sharding, **(metadata or {})}
+                "optimizer_sharding": sharding, "lora": adapters, **(metadata or {})}
         commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
                          producer=producer_info(stage="checkpoint"), metadata=info)
         logger.info("committed checkpoint %s (%s)", path, "training state" if optimizer is not None else "model")
@@ -188,7 +198,10 @@ def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
     """Load a committed checkpoint's model weights into `models` (same architecture and dtype; any
     parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export."""
     manifest = read_checkpoint_manifest(path)
-    _check(manifest.metadata.get("model_signature"), model_signature(models), path)
+    signature = model_signature(models)
+    if not manifest.metadata.get("lora"):  # a full model's weights are a LoRA model's base
+        signature.pop("lora")
+    _check(manifest.metadata.get("model_signature"), signature, path)
     _load_model(models, path)
     return manifest
 
@@ -218,7 +231,7 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
     _load_model(models, path)
     model = _single_chunk(models)
     init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
-    state = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
+    state = optimizer.sharded_state_dict(_model_state(model), is_loading=True,
                                          metadata=_sharding_metadata(meta.get("optimizer_sharding")))
     optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
     init_optimizer_state(optimizer)  # a state saved before the first step has no `step` (megatron drops a 0)
@@ -244,6 +257,8 @@ def model_signature(models: list[torch.nn.Module]) -> dict[str, Any]:
     signature["padded_vocab_size"] = getattr(model, "vocab_size", None)
     signature["share_embeddings_and_output_weights"] = getattr(model, "share_embeddings_and_output_weights", None)
     signature["params_dtype"] = str(config.params_dtype).removeprefix("torch.")
+    spec = lora.spec_of(model)
+    signature["lora"] = spec.signature() if spec else None
     return signature
 
 
@@ -279,12 +294,34 @@ def _check_scheduler(saved: dict[str, Any] | None, current: dict[str, Any], path
 # ----------------------------------------------------------------------------- helpers
 
 
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of the model: every weight, or with LoRA the adapters only (the base is
+    recorded by its content hash, `lora.set_base`)."""
+    return lora.adapter_sharded_state_dict(model) if lora.has_adapters(model) else model.sharded_state_dict()
+
+
 def _load_model(models: list[torch.nn.Module], path: str) -> None:
+    """The checkpoint's weights into `models`: a full model's (into a LoRA model: its base, adapters left as
+    they are), or a LoRA checkpoint's adapters (onto the same base, checked by hash)."""
     from megatron.core import dist_checkpointing
 
     model = _single_chunk(models)
-    state = dist_checkpointing.load(model.sharded_state_dict(), os.path.join(path, "model"))
-    model.load_state_dict(state)
+    saved_lora = read_manifest(path).metadata.get("lora")
+    if saved_lora:
+        lora.check_base(model, saved_lora.get("base"), path)
+        state = dist_checkpointing.load(lora.adapter_sharded_state_dict(model), os.path.join(path, "model"))
+        with torch.no_grad():
+            for name, value in state.items():
+                model.get_parameter(name).copy_(value)
+        return
+    adapted = lora.has_adapters(model)
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if not (adapted and lora.is_adapter_name(k))}
+    state = dist_checkpointing.load(sharded, os.path.join(path, "model"))
+    result = model.load_state_dict(state, strict=not adapted)
+    if adapted and (result.unexpected_keys or any(not lora.is_adapter_name(k) and not k.endswith("_extra_state")
+                                                  for k in result.missing_keys)):
+        raise CheckpointMismatchError(f"{path}: its weights do not fit the model's base: missing "
+                                      f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
 def _sharding_type(optimizer: Any, fully_reshardable: bool) -> str | None:

@@ -3,6 +3,8 @@
     python checkpoint_resume.py run    HF_DIR SAVE [--distributed SHARDING]   steps 1..N+2, saving at N
     python checkpoint_resume.py resume HF_DIR SAVE [--distributed SHARDING]   load N, steps N+1..N+2
     python checkpoint_resume.py checks HF_DIR SAVE OTHER_HF_DIR               the refusals (one rank)
+    ... --lora                                                                LoRA adapters (rank 4) on the
+                                                                              frozen base: adapters-only saves
 
 Adam with warmup + cosine (fp32, CPU) on random tokens. After every step (and right after the save /
 the load) it prints one JSON line: sha256 of the weights and of the optimizer state, the learning
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 from multirank import rank_env
 
+from slime.backends.megatron import lora
 from slime.backends.megatron.bridge import build_model, close_megatron, init_megatron, make_bridge
 from slime.backends.megatron.checkpoint import (
     CheckpointMismatchError,
@@ -70,7 +73,7 @@ def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None
                       "draws": draws, **extra}), flush=True)
 
 
-def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2):
+def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False):
     rank, world, init_method = rank_env()
     if torch.cuda.is_available():  # bit-exactness on a GPU also needs deterministic kernels
         torch.use_deterministic_algorithms(True)
@@ -79,8 +82,12 @@ def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2):
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
                                 *(["--use-distributed-optimizer"] if distributed else [])])
     bridge = make_bridge(hf_dir)
+    spec = lora.LoraSpec(rank=4, alpha=8.0, dropout=0.1, targets=("linear_qkv", "linear_fc2"), seed=7)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True,
-                         use_distributed_optimizer=config.train.use_distributed_optimizer)
+                         use_distributed_optimizer=config.train.use_distributed_optimizer,
+                         post_create=lora.lora_callback(spec if with_lora else None))
+    if with_lora:
+        lora.set_base(models, hf_dir)
     optimizer, scheduler = build_optimizer_and_scheduler(models, config, total_steps=8)
     return rank, world, bridge, models, optimizer, scheduler
 
@@ -100,8 +107,9 @@ def main() -> None:
     parser.add_argument("save")
     parser.add_argument("other_hf_dir", nargs="?")
     parser.add_argument("--distributed", default=None, choices=["dp_reshardable", "fully_reshardable"])
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
-    rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed)
+    rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora)
     full = f"{args.save}/full"
     if args.mode == "run":
         for k in range(1, STEPS + 1):
@@ -120,8 +128,27 @@ def main() -> None:
         for k in range(SAVE_AT + 1, STEPS + 1):
             loss = step(models, optimizer, scheduler, bridge, k, rank, world)
             report(models, optimizer, rank, k, "after step", loss=loss)
+    elif args.lora:
+        lora_checks(args, models)
     else:
         checks(args, bridge, models, optimizer)
+
+
+def lora_checks(args, models) -> None:
+    """A LoRA checkpoint on another base, and in a model without adapters, are refused."""
+    def attempt(name: str, fn) -> None:
+        try:
+            fn()
+            print(json.dumps({"check": name, "error": None}), flush=True)
+        except Exception as exc:  # the test asserts on the type and message
+            print(json.dumps({"check": name, "error": type(exc).__name__, "message": str(exc)}), flush=True)
+
+    path = iteration_dir(f"{args.save}/full", SAVE_AT)
+    attempt("same base", lambda: load_model_checkpoint(models, path))
+    lora.set_base(models, args.other_hf_dir)
+    attempt("other base", lambda: load_model_checkpoint(models, path))
+    plain = build_model(make_bridge(args.hf_dir))
+    attempt("model without adapters", lambda: load_model_checkpoint(plain, path))
 
 
 def checks(args, bridge, models, optimizer) -> None:

@@ -91,3 +91,37 @@ def test_other_schedule_is_refused_naming_the_field(refusals):
     refused = refusals[0]["resume with another lr"]
     assert refused["error"] == "CheckpointMismatchError"
     assert "max_lr is 0.01 in the checkpoint but 0.005 now (from train.lr)" in refused["message"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_kit, tmp_path_factory):
+    save = tmp_path_factory.mktemp("resume-lora")
+    run, resume = run_and_resume(tiny_kit.model_dir, save, 1, "--lora")
+    return save, run, resume
+
+
+def test_lora_resume_is_bit_exact_and_saves_the_adapters_only(lora_runs, tiny_kit):
+    save, run, resume = lora_runs
+    assert_bit_exact(run, resume)  # adapter weights, their Adam state, lr and RNG (dropout 0.1 draws from it)
+    path = save / "full" / f"iter_{SAVE_AT:07d}"
+    meta = json.loads((path / "manifest.json").read_text())["metadata"]
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["targets"] == ["linear_qkv", "linear_fc2"]
+    assert meta["lora"]["base"]["source"] == str(tiny_kit.model_dir) and len(meta["lora"]["base"]["sha256"]) == 64
+    model_bytes = sum(f.stat().st_size for f in (path / "model").rglob("*") if f.is_file())
+    hf_bytes = sum(f.stat().st_size for f in tiny_kit.model_dir.glob("*.safetensors"))
+    assert model_bytes < hf_bytes / 10  # adapters only, no base weight
+
+
+def test_lora_checkpoint_refuses_another_base_and_a_model_without_adapters(lora_runs, tiny_kit, tmp_path):
+    save, _, _ = lora_runs
+    other = tmp_path / "other-base"
+    other.mkdir()
+    config = json.loads((tiny_kit.model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    (rows,) = run_ranks(SCRIPT, 1, ["checks", str(tiny_kit.model_dir), str(save), str(other), "--lora"], timeout=600)
+    checks = {row["check"]: row for row in rows}
+    assert checks["same base"]["error"] is None
+    assert checks["other base"]["error"] == "CheckpointMismatchError"
+    assert "trained on base" in checks["other base"]["message"] and str(other) in checks["other base"]["message"]
+    assert checks["model without adapters"]["error"] == "CheckpointMismatchError"
+    assert "lora is" in checks["model without adapters"]["message"]

@@ -8,6 +8,9 @@ offload/onload, as the RL loop does when colocated): the learning rate and the l
 from the loaded weights; the trained rank is saved to WORK_DIR/ckpt. With --load, a rank started from
 that checkpoint (`checkpoint.load`) trains one step and prints its KL to the reference model, which
 must be the loaded policy. Offload and onload are no-ops on CPU.
+
+    ... --lora    the same with LoRA adapters (rank 4) on the frozen base: step rows also carry the KL to the
+                  reference (the base, or the loaded adapters) and the trainable / total parameter counts
 """
 
 import json
@@ -47,7 +50,7 @@ def rollout(uri: str, groups: int, n: int) -> None:
     write_samples(uri, samples)
 
 
-def main(model_dir: str, work: Path, load: bool) -> None:
+def main(model_dir: str, work: Path, load: bool, with_lora: bool = False) -> None:
     checkpoint = {"hf_checkpoint": model_dir, **({"load": str(work / "ckpt")} if load else {"save": str(work / "ckpt")})}
     config = Config.model_validate({
         "run": {"store": str(work), "run_id": "cycle"}, "checkpoint": checkpoint,
@@ -55,7 +58,7 @@ def main(model_dir: str, work: Path, load: bool) -> None:
         "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 3},
         "algorithm": {"use_kl_loss": True, "kl_loss_coef": 0.0},
         "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4, "lr_warmup_iters": 2},
-        "megatron": {"bf16": True}})
+        "megatron": {"bf16": True}, **({"lora": {"lora_rank": 4, "lora_alpha": 8}} if with_lora else {})})
     actor = TrainActor(config.model_dump(mode="json"), 0, 1)
     start = actor.init(f"tcp://127.0.0.1:{free_port()}")
     if load:
@@ -80,11 +83,13 @@ def main(model_dir: str, work: Path, load: bool) -> None:
         actor.offload()
         actor.onload()
         metrics = actor.train(step, uri)
-        print(json.dumps({"case": f"step {step}", "lr": metrics["train/lr"], "moved": moved()}), flush=True)
+        print(json.dumps({"case": f"step {step}", "lr": metrics["train/lr"], "moved": moved(),
+                          **{k: v for k, v in metrics.items() if k == "rollout/kl" or k.startswith("lora/")}}),
+              flush=True)
     actor.offload()
     actor.onload()
     actor.save(2, {})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), "--load" in sys.argv[3:])
+    main(sys.argv[1], Path(sys.argv[2]), "--load" in sys.argv[3:], "--lora" in sys.argv[3:])

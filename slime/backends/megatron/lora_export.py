@@ -1,0 +1,81 @@
+"""LoRA adapters of a Megatron model as a PEFT adapter directory (`peft.PeftModel.from_pretrained(base, dir)`).
+
+Megatron fuses q/k/v into `linear_qkv` and gate/up into `linear_fc1`, with one adapter each; PEFT has one
+adapter per HF module. The fused adapter is exactly PEFT's adapters with A shared: for q, k and v,
+lora_A = A and lora_B = the rows of B that hold q (k, v) in Megatron's layout. Those rows are found by
+sending a row-index tensor through mbridge's own Megatron -> HF conversion of the weight, so B's rows
+land where the weight's rows land, whatever the model's head grouping. Tensor-parallel shards are gathered
+first with mbridge's merge of the weight (`bridge.gather_tensor_parallel`).
+
+The directory is written with peft itself: `get_peft_model` on an HF model built on the meta device (so
+only the adapter tensors take memory) names and shapes the adapter tensors, which must be exactly ours,
+and its `save_pretrained(state_dict=...)` writes them with the adapter config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from slime.backends.megatron import lora
+from slime.backends.megatron.bridge import _local_to_global, gather_tensor_parallel
+from slime.errors import ConfigError
+
+
+@torch.no_grad()
+def peft_state_dict(bridge: Any, models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors (`base_model.model.<hf module>.lora_A.weight`, ...) of the whole model; a
+    collective over the tensor-parallel group (every rank gets the full tensors)."""
+    from mbridge.core.util import unwrap_model
+
+    out: dict[str, torch.Tensor] = {}
+    for model in unwrap_model(models):
+        names = _local_to_global(bridge, model)
+        for name, layer in lora.adapted_layers(model):
+            weight_name = names[f"{name}.weight"]
+            a = gather_tensor_parallel(bridge, weight_name, layer.lora_a).detach().cpu()
+            b = gather_tensor_parallel(bridge, weight_name, layer.lora_b).detach().cpu()
+            rows = torch.arange(b.shape[0], dtype=torch.float32).unsqueeze(1).expand(-1, a.shape[1]).contiguous()
+            hf_names, hf_rows = bridge._weight_to_hf_format(weight_name, rows)
+            for hf_name, index in zip(hf_names, hf_rows, strict=True):
+                module = "base_model.model." + hf_name.removesuffix(".weight")
+                out[f"{module}.lora_A.weight"] = a.clone()
+                out[f"{module}.lora_B.weight"] = b[index[:, 0].long()].clone()
+    return out
+
+
+def save_peft_adapter(bridge: Any, models: list[torch.nn.Module], out_dir: str, *, base_model: str) -> str | None:
+    """Write the adapters of `models` as a PEFT LoRA directory at `out_dir` (rank 0 writes; a collective).
+    `base_model` is the HF directory the adapter applies to (recorded as base_model_name_or_path)."""
+    import torch.distributed as dist
+
+    spec = lora.spec_of(models[0])
+    if spec is None:
+        raise ConfigError("PEFT export: the model has no LoRA adapters")
+    state = peft_state_dict(bridge, models)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    write_peft_adapter(state, spec, out_dir, base_model=base_model, hf_config=bridge.hf_config)
+    return out_dir
+
+
+def write_peft_adapter(state: dict[str, torch.Tensor], spec: lora.LoraSpec, out_dir: str, *, base_model: str,
+                       hf_config: Any) -> None:
+    """`state` (PEFT key names) saved by peft as the adapter of `spec` (r, lora_alpha, lora_dropout)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    modules = sorted({key.split(".")[-3] for key in state})
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=modules,
+                        task_type="CAUSAL_LM", base_model_name_or_path=base_model, bias="none")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    peft_model = get_peft_model(model, config)
+    expected = get_peft_model_state_dict(peft_model)  # the names and shapes peft gives this adapter
+    wrong = sorted(set(expected) ^ set(state)) or [k for k in state if expected[k].shape != state[k].shape]
+    if wrong:
+        raise ConfigError(f"PEFT export: adapter tensors differ from peft's for this model: {wrong[:3]}")
+    os.makedirs(out_dir, exist_ok=True)
+    peft_model.save_pretrained(out_dir, state_dict=state)

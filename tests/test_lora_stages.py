@@ -1,0 +1,83 @@
+"""LoRA through the stages on the tiny kit (CPU): `slime sft --lora-rank` trains adapters only (the loss falls,
+the checkpoint holds the adapters and the base's hash), `slime export` writes merged HF weights and, with
+`--merge false`, a PEFT adapter directory; both give the same model, which differs from the base."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
+LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear"]
+
+
+def run(*args: str, timeout: float = 600) -> dict:
+    result = subprocess.run([SLIME, *args], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+@pytest.fixture(scope="module")
+def lora_sft(tiny_kit, tmp_path_factory):
+    save = tmp_path_factory.mktemp("lora-sft") / "sft"
+    summary = run("sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:256]",
+                  "--save", str(save), "--global-batch-size", "64", "--micro-batch-size", "32", "--sft-lr", "3e-2",
+                  "--sft-lr-warmup-iters", "1", "--sft-num-epoch", "2", *LORA)
+    return save, summary
+
+
+def test_lora_sft_trains_the_adapters_and_saves_only_them(lora_sft, tiny_kit):
+    save, summary = lora_sft
+    assert summary["steps"] == 8 and summary["last_loss"] < 0.9 * summary["first_loss"], summary
+    assert summary["lora_rank"] == 8 and 0 < summary["trainable_params"] < summary["total_params"] / 5, summary
+    meta = json.loads((save / "iter_0000008" / "manifest.json").read_text())["metadata"]
+    assert meta["lora"]["base"]["source"] == str(tiny_kit.model_dir)
+    assert meta["lora"]["targets"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def _log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=tokens).logits.float(), dim=-1)
+
+
+def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    save, _ = lora_sft
+    merged = run("export", "--load", str(save), "--output-dir", str(tmp_path / "merged"), timeout=300)
+    adapter = run("export", "--load", str(save), "--output-dir", str(tmp_path / "peft"), "--merge", "false",
+                  timeout=300)
+    assert merged["format"] == "merged" and adapter["format"] == "peft"
+    assert (tmp_path / "peft" / "adapter_config.json").is_file() and not (tmp_path / "peft" / "config.json").exists()
+    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32)
+    untouched = _log_probs(base, tokens)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert (_log_probs(full, tokens) - _log_probs(peft, tokens)).abs().max() < 1e-5
+    assert (_log_probs(full, tokens) - untouched).abs().max() > 1e-2
+
+
+@pytest.mark.slow  # ~90 s on 2 loaded cores; the bit-exact LoRA resume of test_checkpoint_resume.py runs in CI
+def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
+    from test_sft_stage import model_weights
+
+    flags = ["sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
+             "--global-batch-size", "16", "--micro-batch-size", "16", "--sft-lr", "1e-2", "--sft-num-epoch", "2",
+             "--sft-save-interval", "3", "--lora-dropout", "0.1", *LORA]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(*flags, "--save", str(whole))
+    cut.mkdir()
+    shutil.copytree(whole / "iter_0000003", cut / "iter_0000003")  # a run stopped right after its step-3 save
+    resumed = run(*flags, "--save", str(cut))
+    assert resumed["resumed_from"] == str(cut / "iter_0000003")
+    final_whole, final_cut = model_weights(whole / "iter_0000004"), model_weights(cut / "iter_0000004")
+    assert sorted(final_whole) == sorted(final_cut) and all(k.endswith(("lora_a", "lora_b")) for k in final_whole)
+    assert len(final_whole) == 2 * 4 * 4  # A and B of 4 linear layers in each of the test kit's 4 layers
+    for name, tensor in final_whole.items():
+        assert torch.equal(tensor, final_cut[name]), name
