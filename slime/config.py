@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from slime.errors import ConfigError
-from slime.slime_flags import MAPPED, REFUSED, flag_table_markdown
+from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,22 @@ class RunConfig(_Section):
     load_debug_rollout_data: str | None = Field(None, description="mapped: URI template of committed rollout shard "
                                                                   "sets, {rollout_id} formatted; implies "
                                                                   "debug_train_only")
+    load_debug_rollout_data_subsample: float | None = Field(
+        None, gt=0, le=1, description="train on this share of each stored rollout: the first and last quarter of "
+                                      "int(rows x share) rows, as slime (whole groups here)")
+    log_correct_samples: bool = Field(False, description="log rollout/correct_length/p25..p100 (correct responses "
+                                                         "by response-length quartile) and rollout/correct_entropy")
+    profile_target: list[Literal["train_overall", "train_actor", "train_log_probs"]] = Field(
+        ["train_overall"], min_length=1, description="what megatron.use_pytorch_profiler and record_memory_history "
+                                                     "cover (slime/backends/megatron/profile.py)")
+    record_memory_history: bool = Field(False, description="with train_overall: record the train rank's allocator "
+                                                           "history and dump it after memory_snapshot_num_steps "
+                                                           "rollouts (torch: CUDA only)")
+    memory_snapshot_dir: str = Field(".", description="where memory snapshots are written")
+    memory_snapshot_num_steps: int | None = Field(None, ge=1, description="dump the memory snapshot after this many "
+                                                                          "rollouts")
+    memory_recorder: Literal["torch", "memray"] = Field("torch", description="torch: torch.cuda.memory history "
+                                                        "(JSON snapshot); memray: memray.Tracker (needs memray)")
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +224,8 @@ class DataConfig(_Section):
     rollout_shuffle: bool = False
     rollout_max_prompt_len: int | None = Field(None, ge=1)
     num_epoch: int | None = Field(None, ge=1, description="sets num_rollout from the data size when unset")
+    start_rollout_id: int | None = Field(None, ge=0, description="`slime rl`: first rollout id; None: the resumed "
+                                                                 "checkpoint's next, else 0")
 
 
 class RolloutConfig(_Section):
@@ -248,6 +266,12 @@ class RolloutConfig(_Section):
                                                              "True; None: rollout_function_path")
     rollout_data_transport: Literal["object-store", "nixl"] = Field(
         "object-store", description="mapped: rollout data reaches the trainer as an Arrow shard set in the store")
+    # slime's rollout-buffer settings: its own code never reads them, its rollout-buffer example plugin does
+    rollout_buffer_url: str | None = Field(None, description="for plugins (args.rollout_buffer_url): the rollout "
+                                                             "buffer server's URL")
+    fetch_trajectory_retry_times: int = Field(-1, description="for plugins: fetch retries, -1 unlimited")
+    min_batch_collection_ratio: float = Field(1, description="for plugins: share of a batch to collect")
+    rollout_task_type: str = Field("math", description="for plugins: the rollout buffer's task type")
 
 
 class RewardConfig(_Section):
@@ -304,6 +328,11 @@ class AlgorithmConfig(_Section):
     use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
                                               "negative advantage whose mean old - new log-prob exceeds opsm_delta")
     opsm_delta: float = Field(1e-4, ge=0, description="OPSM's sequence-KL threshold")
+    ref_update_interval: int | None = Field(None, ge=1, description="copy the actor's weights into the KL reference "
+                                                                    "every N rollouts (after training rollout N-1)")
+    disable_compute_advantages_and_returns: bool = Field(
+        False, description="no reference/old log-prob passes and no advantage estimator: advantages come with the "
+                           "samples (metadata['advantage']), the ratio's denominator is the step's own log-probs")
 
 
 class TrainConfig(_Section):
@@ -343,6 +372,15 @@ class TrainConfig(_Section):
                                                       "to freeze (slime/backends/megatron/freeze.py)")
     reset_optimizer_states: bool = Field(False, description="zero Adam's step and moments after each rollout's "
                                                             "training")
+    use_stateless_adam: bool = Field(False, description="Adam whose moments start from zero at every optimizer step "
+                                                        "(slime's StatelessAdam update); needs no_save_optim")
+    data_pad_size_multiplier: int = Field(1, ge=1, description="right-pad every micro-batch's sequence length to a "
+                                                               "multiple of this")
+    log_probs_chunk_size: int = Field(-1, description="score response positions in chunks of this many (log-softmax "
+                                                      "over the vocabulary per chunk, less peak memory); -1: all at "
+                                                      "once")
+    balance_data: bool = Field(False, description="split each step's samples over data-parallel ranks by "
+                                                  "Karmarkar-Karp on estimated forward FLOPs (equal counts)")
     custom_advantage_function_path: str | None = Field(
         None, description="fn(args, rollout_data) sets advantages and returns, instead of the estimator "
                           "(slime/backends/megatron/hooks.py)")
@@ -423,6 +461,8 @@ class EvalConfig(_Section):
     eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
     eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
                                                           "reward_key")
+    eval_max_context_len: int | None = Field(None, ge=1, description="for eval plugins (args.eval_max_context_len): "
+                                                                     "the eval prompt + response token budget")
     eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
                                                                     "tokens (needs hf_checkpoint's tokenizer)")
     eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
@@ -440,6 +480,8 @@ class EngineConfig(_Section):
     """Which inference engine serves rollouts and where the router is."""
 
     engine: Literal["builtin", "sglang"] = "builtin"
+    http_proxy: str | None = Field(None, description="for plugins (args.http_proxy); engines and the router are "
+                                                     "reached on 127.0.0.1 without it")
     sglang_router_ip: str = "127.0.0.1"
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
     use_fault_tolerance: bool = Field(False, description="`slime rl`: poll every engine's /health_generate; a dead "
@@ -892,8 +934,9 @@ def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
 
 
 def _log_mapped(config: Config, where: dict[str, str]) -> None:
-    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED)."""
-    for name, how in MAPPED.items():
+    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED) or that
+    only plugins read (slime_flags.PLUGIN_ONLY)."""
+    for name, how in {**MAPPED, **PLUGIN_ONLY}.items():
         section = getattr(config, FIELD_SECTION[name])
         given = f"{FIELD_SECTION[name]}.{name}" in where
         if given or getattr(section, name) != type(section).model_fields[name].default:
@@ -1025,6 +1068,26 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.run.debug_train_only and not config.run.load_debug_rollout_data:
         fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
              "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
+    t = config.train
+    if t.use_stateless_adam and t.optimizer != "adam":
+        fail("train.use_stateless_adam", f"stateless Adam needs optimizer adam, not {t.optimizer}", "train.optimizer")
+    if t.use_stateless_adam and not config.checkpoint.no_save_optim:
+        fail("train.use_stateless_adam", "stateless Adam keeps no moments to save: set no_save_optim "
+             "(--no-save-optim), as slime requires")
+    if a.ref_update_interval and not (a.use_kl_loss or a.kl_coef):
+        fail("algorithm.ref_update_interval", "there is no reference model to update: it is built for use_kl_loss "
+             "or kl_coef")
+    if a.disable_compute_advantages_and_returns:
+        given = [n for n in ("use_kl_loss", "kl_coef", "custom_advantage_function_path", "normalize_advantages")
+                 if getattr(a if n != "custom_advantage_function_path" else t, n)]
+        if given:
+            fail("algorithm.disable_compute_advantages_and_returns", f"{given[0]} needs the reference/old log-prob "
+                 "passes or the advantage computation that this flag turns off")
+    if config.run.memory_recorder == "memray" and config.run.record_memory_history and \
+            config.run.memory_snapshot_num_steps is None:
+        fail("run.memory_recorder", "memray needs memory_snapshot_num_steps (when to stop the tracker), as in slime")
+    if config.run.load_debug_rollout_data_subsample and not config.run.load_debug_rollout_data:
+        fail("run.load_debug_rollout_data_subsample", "subsamples stored rollouts: set load_debug_rollout_data")
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
         fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
     s = config.sync
@@ -1089,5 +1152,6 @@ def megatron_flag_names() -> frozenset[str]:
         "swiglu", "disable_bias_linear", "add_qkv_bias", "group_query_attention", "num_query_groups",
         "norm_epsilon", "transformer_impl", "recompute_activations", "distributed_backend",
         "sequence_parallel", "use_distributed_optimizer", "ckpt_format", "use_precision_aware_optimizer",
+        "use_pytorch_profiler", "profile_step_start", "profile_step_end",  # slime's profiling (profile.py)
     }
     return frozenset(names)

@@ -16,6 +16,7 @@ from slime.errors import ConfigError
 from slime.slime_flags import (
     DEFAULTS_DIFFER,
     MAPPED,
+    PLUGIN_ONLY,
     REFUSED,
     SlimeFlag,
     classify,
@@ -38,6 +39,9 @@ COMPANIONS: dict[str, list[str]] = {
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
     "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
     "--update-weight-local-checkpoint-dir": ["--update-weight-mode", "delta", "--weight-sync-mode", "disk"],
+    "--use-stateless-adam": ["--no-save-optim"],
+    "--ref-update-interval": ["--use-kl-loss"],
+    "--load-debug-rollout-data-subsample": ["--load-debug-rollout-data", "runs/r/rollout/{rollout_id:06d}"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {
@@ -235,3 +239,31 @@ def test_eval_min_new_tokens_is_an_eval_sampling_param():
     args = load_config(None, ["--eval-min-new-tokens", "3"]).as_namespace()
     assert sampling_params_from_args(args, evaluation=True)["min_new_tokens"] == 3
     assert "min_new_tokens" not in sampling_params_from_args(args)
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--use-stateless-adam"], "set no_save_optim"),
+    (["--use-stateless-adam", "--no-save-optim", "--optimizer", "sgd"], "needs optimizer adam"),
+    (["--ref-update-interval", "2"], "no reference model to update"),
+    (["--disable-compute-advantages-and-returns", "--use-kl-loss"], "use_kl_loss needs the reference"),
+    (["--disable-compute-advantages-and-returns", "--custom-advantage-function-path", "m.f"],
+     "custom_advantage_function_path needs"),
+    (["--load-debug-rollout-data-subsample", "0.5"], "set load_debug_rollout_data"),
+])
+def test_trainer_flags_refuse_what_they_cannot_do(args, reason):
+    with pytest.raises(ConfigError, match=f"{args[0]}: .*{reason}"):
+        load_config(None, args)
+
+
+def test_plugin_only_flags_reach_plugins_and_say_so_once(caplog):
+    assert set(PLUGIN_ONLY) <= set(FIELD_SECTION) and not set(PLUGIN_ONLY) & (set(MAPPED) | set(REFUSED))
+    for name, note in PLUGIN_ONLY.items():
+        flag = next(f for f in FLAGS if f.name == name)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slime.config"):
+            args = load_config(None, example_args(flag)).as_namespace()
+        assert getattr(args, name) == _expected(flag, example_args(flag))[0] or flag.type != "str"
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{flag.flag}:")]
+        assert len(lines) == 1 and note in lines[0]
+        assert classify(flag) == ("accepted", f"{FIELD_SECTION[name]}.{name}: {note}")
+    assert load_config(None, ["--fetch-trajectory-retry-times", "3"]).as_namespace().fetch_trajectory_retry_times == 3

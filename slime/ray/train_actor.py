@@ -56,15 +56,55 @@ def total_train_steps(config: Config) -> int | None:
     return r.num_rollout * steps_per_rollout(config, r.rollout_batch_size * r.n_samples_per_prompt)
 
 
-def rank_share(samples: list[Any], steps: int, rank: int, world_size: int) -> list[list[Any]]:
+def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
+               workloads: list[float] | None = None) -> list[list[Any]]:
     """This rank's samples of each step: step k is `samples[k*G:(k+1)*G]`, rank r takes every
-    world_size-th sample of it starting at r."""
+    world_size-th sample of it starting at r; with `workloads` (slime's --balance-data: one estimated cost
+    per sample) rank r takes group r of the step's Karmarkar-Karp partition into equal-count groups."""
+    from slime.backends.megatron.batching import balanced_partition
+
     size = len(samples) // steps
     if size % world_size:
         raise ConfigError(f"{size} samples per optimizer step cannot be split over {world_size} data-parallel "
                           "ranks; make global_batch_size (or the rollout size / num_steps_per_rollout) a multiple "
                           "of the number of train actors")
-    return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
+    if workloads is None:
+        return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
+    return [[samples[k * size + i] for i in balanced_partition(workloads[k * size:(k + 1) * size], world_size)[rank]]
+            for k in range(steps)]
+
+
+def subsample_rollout(samples: list[Any], ratio: float, group_size: int) -> list[Any]:
+    """slime's --load-debug-rollout-data-subsample: about `ratio` of the rows, the first half and the last
+    half of them; here in whole groups of `group_size`, which group reward normalisation needs."""
+    groups = len(samples) // group_size
+    keep = int(groups * ratio)
+    if keep == 0:
+        raise DataFormatError(f"load_debug_rollout_data_subsample {ratio} keeps no group of the {groups} stored")
+    head, tail = keep // 2, keep - keep // 2
+    return samples[:head * group_size] + samples[len(samples) - tail * group_size:]
+
+
+def copy_weights(source: list[Any], target: list[Any]) -> None:
+    """Copy the parameters of model chunks `source` into `target` (the same model; wrappers such as DDP or
+    Float16Module may differ, so names are compared without their `module.` prefixes)."""
+    import torch
+
+    def params(models: list[Any]) -> dict[str, Any]:
+        out = {}
+        for chunk, model in enumerate(models):
+            for name, param in model.named_parameters():
+                while name.startswith("module."):
+                    name = name[len("module."):]
+                out[f"{chunk}.{name}"] = param
+        return out
+
+    src, dst = params(source), params(target)
+    if src.keys() != dst.keys():
+        raise ConfigError(f"cannot copy weights between different models: {sorted(src.keys() ^ dst.keys())[:3]}")
+    with torch.no_grad():
+        for name, param in dst.items():
+            param.copy_(src[name])
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -89,6 +129,7 @@ class TrainActor:
         self.offloaded = False
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
         self.hooks: Any = None  # slime.backends.megatron.hooks.MegatronHooks, loaded by init
+        self.profiler: Any = None  # slime.backends.megatron.profile.TrainProfiler, made by init
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -123,6 +164,9 @@ class TrainActor:
                       timeout_minutes=c.cluster.distributed_timeout_minutes)
         if self.hooks.init is not None:
             self.hooks.init(c.as_namespace())
+        from slime.backends.megatron.profile import TrainProfiler
+
+        self.profiler = TrainProfiler(c, self.rank)  # memory history from here, as slime's
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.bridge = make_bridge(hf_dir, megatron_dtype(c))
@@ -135,6 +179,7 @@ class TrainActor:
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
+        self.profiler.on_init_end()
         return start
 
     def _load_weights(self) -> int:
@@ -223,11 +268,19 @@ class TrainActor:
         samples = read_samples(uri, c.run.storage_options or None)
         if not samples:
             raise DataFormatError(f"{uri}: the rollout shard set holds no samples")
+        if c.run.load_debug_rollout_data and c.run.load_debug_rollout_data_subsample:
+            samples = subsample_rollout(samples, c.run.load_debug_rollout_data_subsample,
+                                        c.rollout.n_samples_per_prompt)
         raw, rewards = self._rewards(samples, uri)
         for sample, reward in zip(samples, rewards, strict=True):
             sample.metadata["normalized_reward"] = reward
         steps = steps_per_rollout(c, len(samples))
-        shares = rank_share(samples, steps, self.rank, self.world_size)
+        workloads = None
+        if c.train.balance_data:
+            from slime.backends.megatron.batching import forward_flops
+
+            workloads = [forward_flops(len(s.tokens), self.bridge.hf_config) for s in samples]
+        shares = rank_share(samples, steps, self.rank, self.world_size, workloads)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
         arrays, stats = self._arrays(rollout_id, mine)
@@ -236,12 +289,16 @@ class TrainActor:
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
-        for step_id, share in enumerate(shares):
+        for step_id, share in self.profiler.iterate("train_actor", enumerate(shares)):
             part = _slice_arrays(arrays, start, start + len(share))
             start += len(share)
             if self.hooks.before_train_step is not None:
                 self.hooks.before_train_step(c.as_namespace(), rollout_id, step_id, self.models, self.optimizer,
                                              self.scheduler)
+            if c.train.use_stateless_adam:  # slime's StatelessAdam: each step's moments start from zero
+                from slime.backends.megatron.optimizer import reset_optimizer_states
+
+                reset_optimizer_states(self.optimizer)
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
@@ -250,7 +307,13 @@ class TrainActor:
 
             reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
+        self.profiler.step(rollout_id)
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
+        interval = c.algorithm.ref_update_interval
+        if interval and self.ref_models and (rollout_id + 1) % interval == 0:  # slime: the reference := the actor
+            copy_weights(self.models, self.ref_models)
+            metrics["train/ref_updated"] = 1.0
+            logger.info("rank %d rollout %d: reference model updated from the actor", self.rank, rollout_id)
         metrics.update(stats)
         self._ci_checks(rollout_id, rows, metrics)
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
@@ -311,10 +374,14 @@ class TrainActor:
         from slime.backends.megatron.whiten import whiten_over_dp
 
         c, a, t = self.config, self.config.algorithm, self.config.train
+        if a.disable_compute_advantages_and_returns:  # slime: the samples carry their advantages
+            return TrainArrays(), {}
         batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
-                        pad_token_id=self.tokenizer.pad_token_id or 0)
+                        pad_token_id=self.tokenizer.pad_token_id or 0, pad_multiple=t.data_pad_size_multiplier,
+                        chunk_size=t.log_probs_chunk_size,
+                        profile=lambda items: self.profiler.iterate("train_log_probs", items))
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(c.as_namespace(), self.models, "")
         actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
@@ -374,7 +441,32 @@ class TrainActor:
             stats["rollout/kl"] = float(sums[2]) / tokens
         if actor.entropies is not None:
             stats["rollout/entropy"] = float(sums[6]) / tokens
+        if c.run.log_correct_samples:
+            stats.update(self._correct_sample_stats(mine, old))
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _correct_sample_stats(self, mine: list[Any], old: list[Any]) -> dict[str, float]:
+        """slime's --log-correct-samples over all ranks: of the responses with raw reward 1, the share in each
+        quarter of rollout_max_response_len (correct_length/p25 ... p100) and their mean per-sample mean
+        -log-prob of the response (correct_entropy, slime's name)."""
+        import torch
+
+        args = self.config.as_namespace()
+        limit = self.config.rollout.rollout_max_response_len or max(s.response_length for s in mine)
+        sums = torch.zeros(6, dtype=torch.float64)  # 4 quarters, correct samples, their mean -log-prob
+        for sample, logp in zip(mine, old, strict=True):
+            if float(sample.get_reward_value(args)) != 1:
+                continue
+            quarter = next(q for q in range(4) if sample.response_length <= limit * (q + 1) / 4 or q == 3)
+            sums[quarter] += 1
+            sums[4] += 1
+            m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
+            sums[5] += float(-logp[m].sum()) / max(int(m.sum()), 1)
+        _all_reduce(sums)
+        total = float(sums[4]) + 1e-9
+        out = {f"rollout/correct_length/p{25 * (q + 1)}": float(sums[q]) / total for q in range(4)}
+        out["rollout/correct_entropy"] = float(sums[5]) / total if sums[4] else 0.0
+        return out
 
     def _rollout_data(self, mine: list[Any], old: list[Any], ref: list[Any] | None, kl: list[Any]) -> dict[str, Any]:
         """This rank's samples as slime's `rollout_data` lists (what its advantage/post-process hooks get)."""
@@ -469,6 +561,8 @@ class TrainActor:
         if self.syncer is not None:
             self._loop.run_until_complete(self.syncer.close())
             self.syncer = None
+        if self.profiler is not None:
+            self.profiler.close()
 
 
 def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:

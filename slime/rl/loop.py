@@ -156,9 +156,12 @@ class RLLoop:
         if not c.run.debug_rollout_only:  # slime's --debug-rollout-only: no trainer
             self.train_group = TrainGroup(c, self.placement)
             self.start_rollout_id = self.train_group.init()
+        resumed = self.start_rollout_id
+        if c.data.start_rollout_id is not None:  # slime's --start-rollout-id: replaces the resumed checkpoint's
+            self.start_rollout_id = c.data.start_rollout_id
         extra: dict[str, Any] = {}
         if self.start_rollout_id > 0:
-            extra = self.train_group.extra_state()
+            extra = self.train_group.extra_state() if self.train_group is not None else {}
             if "data_source" in extra and self.manager is not None:
                 ray.get(self.manager.load_data_source_state.remote(extra["data_source"]))
             else:
@@ -167,8 +170,8 @@ class RLLoop:
         # this run's own checkpoint (not another run's, given as --load) whose step died between its save and
         # its metrics line: finish that step below
         own = bool(c.checkpoint.save) and latest_checkpoint(c.checkpoint.save) is not None
-        tail = self.start_rollout_id - 1 if own and self.start_rollout_id > 0 and self.start_rollout_id - 1 not in \
-            read_metrics(self.metrics_uri, self.store.storage_options) else None
+        tail = self.start_rollout_id - 1 if own and self.start_rollout_id == resumed > 0 and \
+            self.start_rollout_id - 1 not in read_metrics(self.metrics_uri, self.store.storage_options) else None
         moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
                                       redo_start_eval=tail is not None)
         debug = c.run.debug_rollout_only or c.run.debug_train_only  # one side only: nothing to sync

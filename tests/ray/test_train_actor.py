@@ -59,3 +59,28 @@ def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
     config.checkpoint.ref_ckpt_step = 5
     with pytest.raises(NotCommittedError, match="ref_ckpt_step 5: .* is not a committed checkpoint"):
         TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint()
+
+
+def test_balance_data_evens_the_ranks_workloads():
+    from slime.ray.train_actor import rank_share
+
+    # one step of 8 samples over 2 ranks; strided shares cost 10+1+9+3 = 23 and 1+1+2+3 = 7
+    costs = [10.0, 1.0, 1.0, 1.0, 9.0, 2.0, 3.0, 3.0]
+    strided = [rank_share(list(range(8)), 1, rank, 2)[0] for rank in range(2)]
+    balanced = [rank_share(list(range(8)), 1, rank, 2, costs)[0] for rank in range(2)]
+    assert [sum(costs[i] for i in share) for share in strided] == [23.0, 7.0]
+    assert [sum(costs[i] for i in share) for share in balanced] == [15.0, 15.0]
+    assert sorted(balanced[0] + balanced[1]) == list(range(8)) and [len(s) for s in balanced] == [4, 4]
+    # two steps: each is partitioned on its own (indices stay inside their step)
+    two = [rank_share(list(range(8)), 2, rank, 2, costs) for rank in range(2)]
+    assert sorted(two[0][0] + two[1][0]) == [0, 1, 2, 3] and sorted(two[0][1] + two[1][1]) == [4, 5, 6, 7]
+
+
+def test_debug_rollout_subsample_keeps_whole_groups_from_both_ends():
+    from slime.ray.train_actor import subsample_rollout
+
+    rows = list(range(24))  # 6 groups of 4
+    assert subsample_rollout(rows, 0.5, 4) == [0, 1, 2, 3, 16, 17, 18, 19, 20, 21, 22, 23]  # 3 groups: 1 + 2
+    assert subsample_rollout(rows, 1.0, 4) == rows
+    with pytest.raises(DataFormatError, match="keeps no group"):
+        subsample_rollout(rows, 0.1, 4)

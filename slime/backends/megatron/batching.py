@@ -11,6 +11,9 @@ normalisation does not depend on the partition, so any packing gives the same up
 
 from __future__ import annotations
 
+import heapq
+from typing import Any
+
 from slime.errors import ConfigError
 
 
@@ -50,3 +53,42 @@ def micro_batches(lengths: list[int], *, micro_batch_size: int, use_dynamic_batc
             raise ConfigError("train.use_dynamic_batch_size needs train.max_tokens_per_gpu (tokens per micro-batch)")
         return dynamic_micro_batches(lengths, max_tokens_per_gpu)
     return fixed_micro_batches(len(lengths), micro_batch_size)
+
+
+def forward_flops(length: int, hf_config: Any) -> float:
+    """Estimated forward FLOPs of one sequence of `length` tokens under a dense decoder (`hf_config`'s
+    shape): per layer 2·L·(attention and MLP weights) plus 4·L²·hidden for the scores and their
+    weighted sum, then the output layer. slime's balance estimate (`calculate_fwd_flops`) has the same
+    terms; the constant factors cancel in a partition."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    mlp = getattr(hf_config, "intermediate_size", None) or 4 * hidden
+    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp  # q, o, k, v; gated MLP
+    per_layer = 2 * length * weights + 4 * length * length * hidden
+    return float(hf_config.num_hidden_layers * per_layer + 2 * length * hidden * hf_config.vocab_size)
+
+
+def balanced_partition(workloads: list[float], parts: int) -> list[list[int]]:
+    """Indices of `workloads` in `parts` groups of equal count whose sums are as even as Karmarkar-Karp's
+    largest differencing method makes them (slime's --balance-data partition; `len(workloads)` must be a
+    multiple of `parts`). Each group is returned in ascending index order.
+
+    The sorted items are taken `parts` at a time as partial partitions of one item each; the two partial
+    partitions with the largest spread (max sum - min sum) are merged repeatedly, pairing the heaviest group
+    of one with the lightest of the other, so every group gains one item per merge."""
+    if parts < 1 or len(workloads) % parts:
+        raise ConfigError(f"cannot split {len(workloads)} samples into {parts} equal groups")
+    order = sorted(range(len(workloads)), key=lambda i: (workloads[i], i))
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    for start in range(0, len(order), parts):
+        groups = sorted(((workloads[i], [i]) for i in order[start:start + parts]), key=lambda g: -g[0])
+        heapq.heappush(heap, (-(groups[0][0] - groups[-1][0]), start, groups))
+    while len(heap) > 1:
+        _, tie, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((a[j][0] + b[parts - 1 - j][0], a[j][1] + b[parts - 1 - j][1]) for j in range(parts)),
+                        key=lambda g: -g[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+    return [sorted(members) for _, members in heap[0][2]] if heap else [[] for _ in range(parts)]

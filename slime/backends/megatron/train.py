@@ -106,6 +106,8 @@ class StepSettings:
     use_opsm: bool = False
     opsm_delta: float = 1e-4
     get_mismatch_metrics: bool = False
+    data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
+    log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
     # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
     custom_tis: Callable[..., Any] | None = None
@@ -136,7 +138,8 @@ class StepSettings:
                    use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
                    tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss,
                    use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
-                   get_mismatch_metrics=a.get_mismatch_metrics)
+                   get_mismatch_metrics=a.get_mismatch_metrics,
+                   data_pad_size_multiplier=t.data_pad_size_multiplier, log_probs_chunk_size=t.log_probs_chunk_size)
 
 
 def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
@@ -280,7 +283,8 @@ def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tu
     else:
         output, response_mask, entropy = response_log_probs(model, micro.batch, vocab_size=step.vocab_size,
                                                             temperature=s.temperature,
-                                                            with_entropy=s.loss_type == "policy_loss")
+                                                            with_entropy=s.loss_type == "policy_loss",
+                                                            chunk_size=s.log_probs_chunk_size)
         if entropy is not None and not s.entropy_coef:
             entropy = entropy.detach()  # a metric only: keep it out of the graph
     mask = response_mask & micro.loss_mask
@@ -342,8 +346,8 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
                           use_dynamic_batch_size=settings.use_dynamic_batch_size,
                           max_tokens_per_gpu=settings.max_tokens_per_gpu)
-    micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device)
-             for indices in parts]
+    micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
+                               pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
     num_samples, num_tokens = _global_counts(samples, device)
     step = _Step(settings, vocab_size, num_samples, num_tokens,
                  scale=float(len(micro) * parallel_state.get_data_parallel_world_size()))
