@@ -283,6 +283,9 @@ class RewardConfig(_Section):
     group_rm: bool = False
     reward_key: str | None = Field(None, description="entry of a dict reward to train on")
     custom_reward_post_process_path: str | None = None
+    custom_convert_samples_to_train_data_path: str | None = Field(
+        None, description="fn(args, samples) -> slime's train_data dict (rewards, loss_masks, ...): replaces the "
+                          "trainer's reward normalisation and loss masks (slime/ray/train_actor.py)")
 
 
 AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
@@ -328,6 +331,9 @@ class AlgorithmConfig(_Section):
     use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
                                               "negative advantage whose mean old - new log-prob exceeds opsm_delta")
     opsm_delta: float = Field(1e-4, ge=0, description="OPSM's sequence-KL threshold")
+    keep_old_actor: bool = Field(False, description="old log-probs under a host copy of the weights the engines "
+                                                    "generated with (not the current actor): the previous sync's "
+                                                    "with update_weights_interval 1 (one-step-off), else the last")
     ref_update_interval: int | None = Field(None, ge=1, description="copy the actor's weights into the KL reference "
                                                                     "every N rollouts (after training rollout N-1)")
     disable_compute_advantages_and_returns: bool = Field(
@@ -1078,7 +1084,8 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("algorithm.ref_update_interval", "there is no reference model to update: it is built for use_kl_loss "
              "or kl_coef")
     if a.disable_compute_advantages_and_returns:
-        given = [n for n in ("use_kl_loss", "kl_coef", "custom_advantage_function_path", "normalize_advantages")
+        given = [n for n in ("use_kl_loss", "kl_coef", "custom_advantage_function_path", "normalize_advantages",
+                             "keep_old_actor")
                  if getattr(a if n != "custom_advantage_function_path" else t, n)]
         if given:
             fail("algorithm.disable_compute_advantages_and_returns", f"{given[0]} needs the reference/old log-prob "

@@ -74,7 +74,6 @@ REFUSED: dict[str, str] = {
     "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
-    "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
                                      "not built here",
     "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
@@ -95,7 +94,6 @@ REFUSED: dict[str, str] = {
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "check_weight_update_equal": "the engine-side weight-equality check is not built here",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
-    "custom_convert_samples_to_train_data_path": "a custom samples-to-train-data hook is not built here",
     "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
                       "template)",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",

@@ -85,26 +85,61 @@ def subsample_rollout(samples: list[Any], ratio: float, group_size: int) -> list
     return samples[:head * group_size] + samples[len(samples) - tail * group_size:]
 
 
-def copy_weights(source: list[Any], target: list[Any]) -> None:
-    """Copy the parameters of model chunks `source` into `target` (the same model; wrappers such as DDP or
-    Float16Module may differ, so names are compared without their `module.` prefixes)."""
+def apply_train_data(samples: list[Any], data: Any, source: str) -> tuple[list[float], list[float]]:
+    """Write slime's `train_data` dict (what its samples-to-train-data conversion returns) back onto the samples
+    the trainer reads; (raw rewards, rewards). `rewards` is required; `raw_reward` defaults to it."""
+    if not isinstance(data, dict) or "rewards" not in data:
+        raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: must return slime's train_data "
+                              f"dict with at least 'rewards', got {type(data).__name__}"
+                              f"{' with keys ' + str(sorted(data)) if isinstance(data, dict) else ''}")
+    for key in ("rewards", "raw_reward", "tokens", "response_lengths", "loss_masks", "rollout_log_probs"):
+        if key in data and len(data[key]) != len(samples):
+            raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: train_data[{key!r}] has "
+                                  f"{len(data[key])} entries for {len(samples)} samples")
+    for i, sample in enumerate(samples):
+        if "tokens" in data:
+            sample.tokens = [int(t) for t in data["tokens"][i]]
+        if "response_lengths" in data:
+            sample.response_length = int(data["response_lengths"][i])
+        if "loss_masks" in data:
+            sample.loss_mask = [int(v) for v in data["loss_masks"][i]]
+        if "rollout_log_probs" in data:
+            sample.rollout_log_probs = [float(v) for v in data["rollout_log_probs"][i]]
+        if sample.loss_mask is not None and len(sample.loss_mask) != sample.response_length:
+            raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: sample {i} has a loss mask "
+                                  f"of {len(sample.loss_mask)} for response length {sample.response_length}")
+    rewards = [float(r) for r in data["rewards"]]
+    return [float(r) for r in data.get("raw_reward", rewards)], rewards
+
+
+def named_params(models: list[Any]) -> dict[str, Any]:
+    """The parameters of model chunks by `chunk.name`, without wrapper prefixes (DDP, Float16Module:
+    `module.`), so an unwrapped copy of the model has the same names."""
+    out = {}
+    for chunk, model in enumerate(models):
+        for name, param in model.named_parameters():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            out[f"{chunk}.{name}"] = param
+    return out
+
+
+def copy_weights(source: list[Any] | dict[str, Any], target: list[Any]) -> None:
+    """Copy the parameters of model chunks `source` (or a `snapshot` of them) into `target`."""
     import torch
 
-    def params(models: list[Any]) -> dict[str, Any]:
-        out = {}
-        for chunk, model in enumerate(models):
-            for name, param in model.named_parameters():
-                while name.startswith("module."):
-                    name = name[len("module."):]
-                out[f"{chunk}.{name}"] = param
-        return out
-
-    src, dst = params(source), params(target)
+    src = source if isinstance(source, dict) else named_params(source)
+    dst = named_params(target)
     if src.keys() != dst.keys():
         raise ConfigError(f"cannot copy weights between different models: {sorted(src.keys() ^ dst.keys())[:3]}")
     with torch.no_grad():
         for name, param in dst.items():
             param.copy_(src[name])
+
+
+def snapshot(models: list[Any]) -> dict[str, Any]:
+    """A CPU copy of the models' parameters (slime keeps its model copies on the host as well)."""
+    return {name: param.detach().to("cpu", copy=True) for name, param in named_params(models).items()}
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -130,6 +165,9 @@ class TrainActor:
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
         self.hooks: Any = None  # slime.backends.megatron.hooks.MegatronHooks, loaded by init
         self.profiler: Any = None  # slime.backends.megatron.profile.TrainProfiler, made by init
+        # --keep-old-actor: CPU copies of the weights the engines generate with (old) and were last given (rollout)
+        self.old_weights: dict[str, Any] | None = None
+        self.rollout_weights: dict[str, Any] | None = None
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -179,6 +217,10 @@ class TrainActor:
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
+        if c.algorithm.keep_old_actor:  # slime: the old actor starts as the loaded policy
+            self.old_weights = snapshot(self.models)
+            if c.sync.update_weights_interval == 1:
+                self.rollout_weights = self.old_weights
         self.profiler.on_init_end()
         return start
 
@@ -271,7 +313,7 @@ class TrainActor:
         if c.run.load_debug_rollout_data and c.run.load_debug_rollout_data_subsample:
             samples = subsample_rollout(samples, c.run.load_debug_rollout_data_subsample,
                                         c.rollout.n_samples_per_prompt)
-        raw, rewards = self._rewards(samples, uri)
+        raw, rewards = self._train_inputs(samples, uri)
         for sample, reward in zip(samples, rewards, strict=True):
             sample.metadata["normalized_reward"] = reward
         steps = steps_per_rollout(c, len(samples))
@@ -341,6 +383,21 @@ class TrainActor:
         elif run.ci_load_grad_norm:
             check_grad_norms(run.ci_load_grad_norm, rollout_id, grad_norms)
 
+    def _train_inputs(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
+        """(raw, trained) rewards of the batch: slime's --custom-convert-samples-to-train-data-path hook when set
+        (`fn(args, samples) -> train_data`, slime's dict; what it returns replaces the samples' tokens, response
+        lengths, loss masks and rollout log-probs where given, and its `rewards` are trained on as they are),
+        else the group-normalised rewards."""
+        path = self.config.reward.custom_convert_samples_to_train_data_path
+        if not path:
+            return self._rewards(samples, uri)
+        from slime.plugins import load_plugin_field
+
+        convert = load_plugin_field(self.config.as_namespace(), "custom_convert_samples_to_train_data_path",
+                                    ["args", "samples"], is_async=False)
+        data = convert(self.config.as_namespace(), samples)
+        return apply_train_data(samples, data, path)
+
     def _rewards(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
         """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
         import torch
@@ -384,7 +441,13 @@ class TrainActor:
                         profile=lambda items: self.profiler.iterate("train_log_probs", items))
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(c.as_namespace(), self.models, "")
+        current = None
+        if self.old_weights is not None:  # slime's --keep-old-actor: old log-probs under the rollout's weights
+            current = snapshot(self.models)
+            copy_weights(self.old_weights, self.models)
         actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+        if current is not None:
+            copy_weights(current, self.models)
         old = actor.log_probs
         ref = None
         if self.ref_models:
@@ -542,6 +605,7 @@ class TrainActor:
         if self.rank != 0:
             for _ in weights():
                 pass
+            self.keep_old_weights_after_sync()
             return {}
         if self.syncer is None:
             import ray
@@ -554,7 +618,19 @@ class TrainActor:
                                        master_address=ray.util.get_node_ip_address(),
                                        post_write=post_write_hook(self.config.as_namespace()))
         result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
+        self.keep_old_weights_after_sync()
         return {**result.metrics(), "sync/weight_version": result.weight_version}
+
+    def keep_old_weights_after_sync(self) -> None:
+        """--keep-old-actor after the engines got the current weights, as slime: with update_weights_interval 1
+        a queue (old := the weights synced before, rollout := now: one-step-off generation trains on rollouts
+        of the previous weights), else old := now."""
+        if self.old_weights is None:
+            return
+        if self.config.sync.update_weights_interval == 1:
+            self.old_weights, self.rollout_weights = self.rollout_weights, snapshot(self.models)
+        else:
+            self.old_weights = snapshot(self.models)
 
     def close(self) -> None:
         """Release what the weight syncer holds between syncs (its process group); idempotent."""

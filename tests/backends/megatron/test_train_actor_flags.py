@@ -2,7 +2,8 @@
 actor every --ref-update-interval rollouts, --use-stateless-adam starts Adam's moments afresh each step,
 --data-pad-size-multiplier rounds micro-batch widths, --log-probs-chunk-size scores in chunks with the same
 values, --log-correct-samples reports the correct responses, the torch profiler writes traces, and
---disable-compute-advantages-and-returns trains on the advantages the samples carry."""
+--disable-compute-advantages-and-returns trains on the advantages the samples carry, and --keep-old-actor
+takes old log-probs under the weights last synced to the engines."""
 
 from script_rows import rows_by_case, run_script
 
@@ -29,3 +30,11 @@ def test_no_advantage_computation_trains_on_the_samples_advantages(tiny_kit, tmp
     row = run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "no-advantages", timeout=600)[0]
     # ratio 1 on the first step: pg_loss = -mean(advantage) = -0.5 (GRPO on these rewards would give ~0)
     assert row["pg_loss"] == -0.5 and row["has_log_probs"] is False and row["grad_norm"] > 0, row
+
+
+def test_keep_old_actor_scores_with_the_synced_weights(tiny_kit, tmp_path):
+    rows = rows_by_case(run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "old-actor", timeout=600))
+    r0, r1, r2 = (rows[f"rollout {i}"]["log_probs"] for i in range(3))
+    # rollouts 0 and 1: no sync yet, the old actor is the loaded policy although rollout 0 trained the actor;
+    # after the sync that follows rollout 1 it is the trained actor
+    assert r0 == r1 and r2 != r0, rows

@@ -2,13 +2,16 @@
 
     python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR trainer      # flags of the train pass
     python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR no-advantages
+    python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR old-actor
 
 `trainer`: --ref-update-interval 2 (with a KL reference), --use-stateless-adam, --log-correct-samples,
 --data-pad-size-multiplier 16, --log-probs-chunk-size 2 and the torch profiler on train_actor and
 train_log_probs,
 over three rollouts; one JSON row per rollout (KL to the reference, Adam's largest step count, ...), one
 for the chunked log-prob pass, one listing the trace files. `no-advantages`: one rollout with
---disable-compute-advantages-and-returns, whose samples carry their advantages.
+--disable-compute-advantages-and-returns, whose samples carry their advantages. `old-actor`:
+--keep-old-actor with update_weights_interval 2 over three rollouts of the same samples, the weights synced
+(as far as the rank knows: `keep_old_weights_after_sync`) after the second.
 """
 
 import json
@@ -115,5 +118,24 @@ def no_advantages(model_dir: str, work: Path) -> None:
                       "has_log_probs": "rollout/log_probs" in m, "grad_norm": m["train/grad_norm"]}), flush=True)
 
 
+def old_actor(model_dir: str, work: Path) -> None:
+    config = Config.model_validate({
+        "run": {"store": str(work), "run_id": "old"},
+        "checkpoint": {"hf_checkpoint": model_dir},
+        "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 3},
+        "algorithm": {"keep_old_actor": True},
+        "sync": {"update_weights_interval": 2},
+        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-3}})
+    actor = TrainActor(config.model_dump(mode="json"), 0, 1)
+    actor.init(f"tcp://127.0.0.1:{free_port()}")
+    uri = str(work / "rollout-same")
+    rollout(uri, 4, 4)
+    for rollout_id in range(3):
+        m = actor.train(rollout_id, uri)
+        print(json.dumps({"case": f"rollout {rollout_id}", "log_probs": m["rollout/log_probs"]}), flush=True)
+        if rollout_id == 1:
+            actor.keep_old_weights_after_sync()
+
+
 if __name__ == "__main__":
-    {"trainer": trainer, "no-advantages": no_advantages}[sys.argv[3]](sys.argv[1], Path(sys.argv[2]))
+    {"trainer": trainer, "no-advantages": no_advantages, "old-actor": old_actor}[sys.argv[3]](sys.argv[1], Path(sys.argv[2]))
