@@ -385,6 +385,9 @@ class TrainConfig(_Section):
     log_probs_chunk_size: int = Field(-1, description="score response positions in chunks of this many (log-softmax "
                                                       "over the vocabulary per chunk, less peak memory); -1: all at "
                                                       "once")
+    megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
+                                                               "role: actor, overrides: {...}}]): the actor entry's "
+                                                               "overrides win over flags and YAML; critic: ignored")
     balance_data: bool = Field(False, description="split each step's samples over data-parallel ranks by "
                                                   "Karmarkar-Karp on estimated forward FLOPs (equal counts)")
     custom_advantage_function_path: str | None = Field(
@@ -901,6 +904,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         nested, origin = parse_overrides(overrides)
         data = _merge(data, nested)
         where.update(origin)
+    role_path = (data.get("train") or {}).get("megatron_config_path")
+    if role_path:
+        nested, origin = read_megatron_role_config(role_path, "actor")
+        data = _merge(data, nested)
+        where.update(origin)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
@@ -947,6 +955,48 @@ def _log_mapped(config: Config, where: dict[str, str]) -> None:
         given = f"{FIELD_SECTION[name]}.{name}" in where
         if given or getattr(section, name) != type(section).model_fields[name].default:
             logger.info("--%s: %s", name.replace("_", "-"), how)
+
+
+def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """slime's --megatron-config-path: the `overrides` (or `args`) of the one entry with `role` in the file's
+    top-level `megatron` list, as a nested config update (typed fields to their sections, Megatron flags to
+    the pass-through) and where each came from. As in slime, num_nodes/num_gpus_per_node are ignored (the
+    cluster flags place the GPUs) and numbers YAML reads as strings (1e-5) become numbers."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"megatron_config_path {path}: no such file")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"megatron_config_path {path}: invalid YAML: {exc}") from None
+    entries = raw.get("megatron") if isinstance(raw, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"megatron_config_path {path}: needs a top-level 'megatron' list, e.g. megatron: [{{name: "
+                          "default, role: actor, overrides: {...}}]")
+    mine = [e for e in entries if e.get("role") == role]
+    if len(mine) > 1:
+        raise ConfigError(f"megatron_config_path {path}: {len(mine)} entries with role {role}; at most one")
+    for other in {e.get("role") for e in entries} - {role}:
+        logger.info("megatron_config_path %s: role %r is not trained here (the RL train group runs the actor)",
+                    path, other)
+    values = (mine[0].get("overrides") or mine[0].get("args") or {}) if mine else {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"megatron_config_path {path}: the {role} entry's overrides must be a mapping")
+    nested: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in values.items():
+        if key in ("num_nodes", "num_gpus_per_node"):
+            logger.info("megatron_config_path %s: %s ignored: GPU placement follows the cluster flags", path, key)
+            continue
+        if isinstance(value, str):
+            value = _scalar(value)
+        section = FIELD_SECTION.get(key)
+        if section is None and key not in megatron_flag_names():
+            raise ConfigError(f"megatron_config_path {path}: {role} override {key!r} is neither a config field nor "
+                              f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names()])}")
+        nested.setdefault(section or "megatron", {})[key] = value
+        origin[f"{section or 'megatron'}.{key}"] = f"{path} ({role} overrides.{key})"
+    return nested, origin
 
 
 def read_custom_config(path: str) -> dict[str, Any]:

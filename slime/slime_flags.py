@@ -83,7 +83,6 @@ REFUSED: dict[str, str] = {
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
                   "manifest)",
     "num_critic_only_steps": "critic-only warm-up steps are not built here",
-    "megatron_config_path": "per-role Megatron YAML configs are not built here (one megatron: section)",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
     "use_opd": _NO_OPD,

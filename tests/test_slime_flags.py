@@ -132,6 +132,9 @@ def test_accepted_flag_sets_its_field_with_slimes_type_and_default(flag, tmp_pat
     if flag.flag == "--custom-config-path":  # must name a YAML file
         (tmp_path / "custom.yaml").write_text("my_threshold: 3\n")
         args = [flag.flag, str(tmp_path / "custom.yaml")]
+    if flag.flag == "--megatron-config-path":  # must name a role YAML
+        (tmp_path / "roles.yaml").write_text("megatron: []\n")
+        args = [flag.flag, str(tmp_path / "roles.yaml")]
     config = load_config(None, args)
     name = flag.name
     if name not in FIELD_SECTION:  # a Megatron flag slime re-declares: the pass-through takes it
@@ -267,3 +270,26 @@ def test_plugin_only_flags_reach_plugins_and_say_so_once(caplog):
         assert len(lines) == 1 and note in lines[0]
         assert classify(flag) == ("accepted", f"{FIELD_SECTION[name]}.{name}: {note}")
     assert load_config(None, ["--fetch-trajectory-retry-times", "3"]).as_namespace().fetch_trajectory_retry_times == 3
+
+
+def test_megatron_config_path_applies_the_actor_overrides(tmp_path, caplog):
+    path = tmp_path / "roles.yaml"
+    path.write_text("megatron:\n"
+                    "  - name: default\n    role: actor\n    overrides:\n      lr: 1e-5\n"
+                    "      tensor_model_parallel_size: 2\n      num_nodes: 4\n"
+                    "  - name: value\n    role: critic\n    overrides: {lr: 2e-6}\n")
+    with caplog.at_level(logging.INFO, logger="slime.config"):
+        config = load_config(None, ["--megatron-config-path", str(path), "--lr", "3e-6"])
+    assert config.train.lr == 1e-5  # the role file wins over the flag, as in slime
+    assert config.megatron["tensor_model_parallel_size"] == 2 and config.cluster.actor_num_nodes == 1
+    assert config.source("train.lr") == f"{path} (actor overrides.lr)"
+    assert any("role 'critic' is not trained here" in r.getMessage() for r in caplog.records)
+    path.write_text("megatron:\n  - {role: actor, overrides: {lr_typo: 1}}\n")
+    with pytest.raises(ConfigError, match="actor override 'lr_typo' is neither"):
+        load_config(None, ["--megatron-config-path", str(path)])
+    path.write_text("megatron:\n  - {role: actor}\n  - {role: actor}\n")
+    with pytest.raises(ConfigError, match="2 entries with role actor"):
+        load_config(None, ["--megatron-config-path", str(path)])
+    path.write_text("actor: {lr: 1}\n")
+    with pytest.raises(ConfigError, match="needs a top-level 'megatron' list"):
+        load_config(None, ["--megatron-config-path", str(path)])
