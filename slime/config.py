@@ -224,6 +224,12 @@ class DataConfig(_Section):
     rollout_shuffle: bool = False
     rollout_max_prompt_len: int | None = Field(None, ge=1)
     num_epoch: int | None = Field(None, ge=1, description="sets num_rollout from the data size when unset")
+    disable_rollout_global_dataset: bool = Field(False, description="no prompt data: the rollout gets groups of "
+                                                                    "empty samples with fresh ids and a custom "
+                                                                    "rollout function makes the prompts")
+    data_source_path: str = Field("slime.data.source.RolloutDataSource", description="data-source class, built as "
+                                  "cls(args), with slime's get_samples(num_samples), add_samples(groups), __len__ "
+                                  "(slime/data/source.py)")
     start_rollout_id: int | None = Field(None, ge=0, description="`slime rl`: first rollout id; None: the resumed "
                                                                  "checkpoint's next, else 0")
 
@@ -1143,6 +1149,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.run.memory_recorder == "memray" and config.run.record_memory_history and \
             config.run.memory_snapshot_num_steps is None:
         fail("run.memory_recorder", "memray needs memory_snapshot_num_steps (when to stop the tracker), as in slime")
+    if config.data.disable_rollout_global_dataset and \
+            config.rollout.rollout_function_path == type(r).model_fields["rollout_function_path"].default:
+        fail("data.disable_rollout_global_dataset", "the default rollout draws prompts from the global dataset (slime "
+             "asserts it too): set rollout_function_path to a rollout function that makes its prompts")
     if config.run.load_debug_rollout_data_subsample and not config.run.load_debug_rollout_data:
         fail("run.load_debug_rollout_data_subsample", "subsamples stored rollouts: set load_debug_rollout_data")
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:

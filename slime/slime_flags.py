@@ -76,8 +76,6 @@ REFUSED: dict[str, str] = {
     "allgather_cp": "context parallelism is not built here",
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
                                      "not built here",
-    "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
-    "data_source_path": "a custom data-source class is not built here (slime.data.source is the one data source)",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
     "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
@@ -157,6 +155,9 @@ DEFAULTS_DIFFER: dict[str, str] = {
                                 "rounding each row up to 128 tokens would multiply short rows' cost (slime: 128)",
     "disable_compute_advantages_and_returns": "a plain flag: slime stores its negation "
                                               "(compute_advantages_and_returns)",
+    "disable_rollout_global_dataset": "a plain flag: slime stores its negation (rollout_global_dataset)",
+    "data_source_path": "this project's RolloutDataSource (slime: its RolloutDataSourceWithBuffer); a class "
+                        "written to slime's interface works the same",
     "update_weight_transport": "None: --weight-sync-mode auto picks (tensor when colocated, distributed "
                                "otherwise); slime: nccl",
 }

@@ -81,7 +81,7 @@ class RolloutManager:
         """Launch engines and router, build args, data source and rollout function; the URLs."""
         from transformers import AutoTokenizer
 
-        from slime.data.source import RolloutDataSource
+        from slime.data.source import make_data_source
         from slime.rollout import load_rollout_function, rollout_args
         from slime.rollout.hooks import load_eval_function, load_log_functions
 
@@ -94,7 +94,7 @@ class RolloutManager:
             self.fleet = EngineFleet(c, c.checkpoint.hf_checkpoint, self.log_dir, self.engine_devices).start()
             self.args = rollout_args(c, self.router)
             tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
-            self.data_source = RolloutDataSource.from_config(c, tokenizer)
+            self.data_source = make_data_source(c, tokenizer)
             self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
             self.eval_fn = load_eval_function(self.args)
             self.log_fns = load_log_functions(self.args)

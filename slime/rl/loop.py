@@ -58,9 +58,13 @@ def _offloads(config: Config) -> tuple[bool, bool]:
 
 def check_rl_config(config: Config) -> None:
     """Everything the loop needs, checked before any process starts."""
-    if config.run.debug_train_only:  # slime's debug mode: stored rollouts, no engines, so no prompts either
+    # no prompt data: slime's debug mode trains on stored rollouts; without the global dataset the rollout
+    # function makes the prompts (and there is no data size to count rollouts from)
+    if config.run.debug_train_only or config.data.disable_rollout_global_dataset:
         config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "rollout.num_rollout",
                        stage=STAGE)
+    elif config.data.data_source_path != type(config.data).model_fields["data_source_path"].default:
+        config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", stage=STAGE)
     else:
         config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
                        stage=STAGE)
