@@ -394,6 +394,9 @@ class TrainConfig(_Section):
     megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
                                                                "role: actor, overrides: {...}}]): the actor entry's "
                                                                "overrides win over flags and YAML; critic: ignored")
+    balance_by_flops: bool = Field(False, description="dynamic batching: ceil(tokens / max_tokens_per_gpu) "
+                                                      "micro-batches of even estimated FLOPs (Karmarkar-Karp) "
+                                                      "instead of first-fit; may pass the token limit, as in slime")
     balance_data: bool = Field(False, description="split each step's samples over data-parallel ranks by "
                                                   "Karmarkar-Karp on estimated forward FLOPs (equal counts)")
     custom_advantage_function_path: str | None = Field(
@@ -1131,6 +1134,9 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
              "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
     t = config.train
+    if t.balance_by_flops and not t.use_dynamic_batch_size:
+        fail("train.balance_by_flops", "balances the micro-batches of dynamic batching: set use_dynamic_batch_size "
+             "and max_tokens_per_gpu")
     if t.use_stateless_adam and t.optimizer != "adam":
         fail("train.use_stateless_adam", f"stateless Adam needs optimizer adam, not {t.optimizer}", "train.optimizer")
     if t.use_stateless_adam and not config.checkpoint.no_save_optim:

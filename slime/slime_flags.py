@@ -77,7 +77,6 @@ REFUSED: dict[str, str] = {
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
                                      "not built here",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
-    "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
                   "manifest)",
     "num_critic_only_steps": "critic-only warm-up steps are not built here",

@@ -319,15 +319,15 @@ class TrainActor:
         steps = steps_per_rollout(c, len(samples))
         workloads = None
         if c.train.balance_data:
-            from slime.backends.megatron.batching import forward_flops
-
-            workloads = [forward_flops(len(s.tokens), self.bridge.hf_config) for s in samples]
+            workloads = [self._flops(len(s.tokens)) for s in samples]
         shares = rank_share(samples, steps, self.rank, self.world_size, workloads)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
         arrays, stats = self._arrays(rollout_id, mine)
         t2 = time.monotonic()
         settings = StepSettings.from_config(c)
+        if c.train.balance_by_flops:  # slime: micro-batches of even estimated FLOPs
+            settings.workload = self._flops
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
@@ -438,7 +438,8 @@ class TrainActor:
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
                         pad_token_id=self.tokenizer.pad_token_id or 0, pad_multiple=t.data_pad_size_multiplier,
                         chunk_size=t.log_probs_chunk_size,
-                        profile=lambda items: self.profiler.iterate("train_log_probs", items))
+                        profile=lambda items: self.profiler.iterate("train_log_probs", items),
+                        workload=self._flops if t.balance_by_flops else None)
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(c.as_namespace(), self.models, "")
         current = None
@@ -507,6 +508,12 @@ class TrainActor:
         if c.run.log_correct_samples:
             stats.update(self._correct_sample_stats(mine, old))
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _flops(self, length: int) -> float:
+        """Estimated forward FLOPs of a sequence of `length` tokens under this model."""
+        from slime.backends.megatron.batching import forward_flops
+
+        return forward_flops(length, self.bridge.hf_config)
 
     def _correct_sample_stats(self, mine: list[Any], old: list[Any]) -> dict[str, float]:
         """slime's --log-correct-samples over all ranks: of the responses with raw reward 1, the share in each

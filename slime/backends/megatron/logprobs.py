@@ -155,11 +155,13 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                       temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
                       use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
                       pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
-                      profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None) -> SampleLogProbs:
+                      profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+                      workload: Callable[[int], float] | None = None) -> SampleLogProbs:
     """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
     `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`)."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
-                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu)
+                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
+                          workload=workload)
     device = next(models[0].parameters()).device
 
     def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, tuple]:

@@ -108,6 +108,7 @@ class StepSettings:
     get_mismatch_metrics: bool = False
     data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
     log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
+    workload: Callable[[int], float] | None = None  # --balance-by-flops: a length's cost (batching.micro_batches)
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
     # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
     custom_tis: Callable[..., Any] | None = None
@@ -345,7 +346,7 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     device = next(models[0].parameters()).device
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
                           use_dynamic_batch_size=settings.use_dynamic_batch_size,
-                          max_tokens_per_gpu=settings.max_tokens_per_gpu)
+                          max_tokens_per_gpu=settings.max_tokens_per_gpu, workload=settings.workload)
     micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
                                pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
     num_samples, num_tokens = _global_counts(samples, device)

@@ -62,3 +62,19 @@ def test_forward_flops_grow_faster_than_length():
     config = Qwen2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128)
     assert forward_flops(200, config) > 2 * forward_flops(100, config) > 0  # the attention term is quadratic
+
+
+def test_balance_by_flops_evens_micro_batch_costs():
+    lengths = [90, 10, 10, 10, 50, 40]  # 210 tokens, limit 100: 3 micro-batches
+    cost = lambda n: float(n * n)  # noqa: E731 - a quadratic cost, as attention's
+    parts = micro_batches(lengths, micro_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=100,
+                          workload=cost)
+    assert len(parts) == 3 and sorted(i for p in parts for i in p) == list(range(6))
+    costs = sorted(sum(cost(lengths[i]) for i in p) for p in parts)
+    first_fit = micro_batches(lengths, micro_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=100)
+    ff_costs = sorted(sum(cost(lengths[i]) for i in p) for p in first_fit)
+    assert costs[-1] - costs[0] < ff_costs[-1] - ff_costs[0]  # more even than first-fit's
+    assert all(parts)
+    # as many micro-batches as samples: each alone
+    assert micro_batches([5, 5], micro_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=1,
+                         workload=cost) == [[0], [1]]
