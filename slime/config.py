@@ -394,6 +394,9 @@ class TrainConfig(_Section):
     megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
                                                                "role: actor, overrides: {...}}]): the actor entry's "
                                                                "overrides win over flags and YAML; critic: ignored")
+    recompute_loss_function: bool = Field(False, description="score the logits and compute the loss under "
+                                                             "torch.utils.checkpoint: recomputed in the backward "
+                                                             "pass instead of keeping the softmax activations")
     balance_by_flops: bool = Field(False, description="dynamic batching: ceil(tokens / max_tokens_per_gpu) "
                                                       "micro-batches of even estimated FLOPs (Karmarkar-Karp) "
                                                       "instead of first-fit; may pass the token limit, as in slime")

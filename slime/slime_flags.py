@@ -71,7 +71,6 @@ REFUSED: dict[str, str] = {
     "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
     "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
                                   "here",
-    "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
     "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "

@@ -83,13 +83,27 @@ def response_log_probs(
     """Log-probs `[B, R_max]` of the response tokens (0 where masked), the mask, and optionally the
     entropy `[B, R_max]` of each scoring distribution, computed `chunk_size` response positions at a time
     (all at once when <= 0). Gradients flow when called with grad enabled."""
-    from megatron.core import parallel_state
-
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
+    return score_logits(forward_logits(model, batch), batch, vocab_size=vocab_size, temperature=temperature,
+                        with_entropy=with_entropy, chunk_size=chunk_size)
+
+
+def forward_logits(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch."""
     seq = batch.tokens.shape[1]
     position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
-    logits = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, V_padded]
+    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)
+
+
+def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, temperature: float = 1.0,
+                 with_entropy: bool = False,
+                 chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` from the logits of `forward_logits`: the part the train step may recompute in
+    the backward pass instead of keeping its activations (slime's --recompute-loss-function)."""
+    from megatron.core import parallel_state
+
+    seq = batch.tokens.shape[1]
     positions, mask = response_positions(batch)
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
     # only the scoring positions: [B, R_max, V(_local)], temperature-scaled

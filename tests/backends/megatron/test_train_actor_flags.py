@@ -1,7 +1,7 @@
 """slime's trainer flags on a real train rank (train_actor_flags.py, fp32 on CPU): the reference follows the
 actor every --ref-update-interval rollouts, --use-stateless-adam starts Adam's moments afresh each step,
 --data-pad-size-multiplier rounds micro-batch widths, --log-probs-chunk-size scores in chunks with the same
-values, --log-correct-samples reports the correct responses, the torch profiler writes traces, and
+values, --recompute-loss-function scores again in the backward pass with the same step, --log-correct-samples reports the correct responses, the torch profiler writes traces, and
 --disable-compute-advantages-and-returns trains on the advantages the samples carry, and --keep-old-actor
 takes old log-probs under the weights last synced to the engines."""
 
@@ -21,6 +21,11 @@ def test_trainer_flags_change_what_the_rank_does(tiny_kit, tmp_path):
     assert abs(r0["correct_p25"] - 1.0) < 1e-6 and r0["correct_p100"] == 0.0 and r0["correct_entropy"] > 0
     chunked = rows["chunked"]
     assert chunked["chunk_widths"] == [2] and chunked["whole_widths"] == [4] and chunked["gap"] == 0.0
+    plain, recomputed = rows["recompute"]["plain"], rows["recompute"]["recomputed"]
+    assert recomputed["loss"] == plain["loss"] and recomputed["grad_norm"] == plain["grad_norm"], rows["recompute"]
+    # chunk 2 over 4 response positions, log-prob and entropy: 4 log-softmaxes per micro-batch's scoring;
+    # recomputed: each scoring runs again in the backward pass
+    assert plain["scorings"] == 4 * plain["microbatches"] and recomputed["scorings"] == 2 * plain["scorings"]
     files = rows["traces"]["files"]
     assert any(f.startswith("train_actor_rank_0.") and f.endswith(".pt.trace.json.gz") for f in files), files
     assert any(f.startswith("train_log_probs_rank_0.") for f in files), files

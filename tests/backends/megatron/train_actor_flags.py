@@ -6,7 +6,7 @@
 
 `trainer`: --ref-update-interval 2 (with a KL reference), --use-stateless-adam, --log-correct-samples,
 --data-pad-size-multiplier 16, --log-probs-chunk-size 2 and the torch profiler on train_actor and
-train_log_probs,
+train_log_probs, then --recompute-loss-function against a plain step at lr 0,
 over three rollouts; one JSON row per rollout (KL to the reference, Adam's largest step count, ...), one
 for the chunked log-prob pass, one listing the trace files. `no-advantages`: one rollout with
 --disable-compute-advantages-and-returns, whose samples carry their advantages. `old-actor`:
@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from slime.backends.megatron.logprobs import compute_log_probs
+from slime.backends.megatron.step_data import TrainArrays
+from slime.backends.megatron.train import StepSettings, train_step
 from slime.config import Config
 from slime.ray.train_actor import TrainActor
 from slime.storage import read_samples, write_samples
@@ -97,6 +99,21 @@ def trainer(model_dir: str, work: Path) -> None:
     gap = max(float((a - b).abs().max()) for a, b in zip(chunked, whole, strict=True))
     print(json.dumps({"case": "chunked", "chunk_widths": chunked_widths, "whole_widths": sorted(set(widths)),
                       "gap": gap}), flush=True)
+    # --recompute-loss-function: at lr 0, the same step metrics, with the scoring run again in the backward
+    for group in actor.optimizer.param_groups:
+        group["lr"] = 0.0
+    steps = {}
+    for recompute in (False, True):
+        calls: list[int] = []
+        torch.log_softmax = lambda x, *a, calls=calls, **k: calls.append(1) or log_softmax(x, *a, **k)
+        settings = StepSettings.from_config(config)
+        settings.recompute_loss_function, settings.use_kl_loss = recompute, False
+        m = train_step(actor.models, actor.optimizer, samples, settings, vocab_size=kwargs["vocab_size"],
+                       arrays=TrainArrays(advantages=[0.5] * len(samples)))
+        torch.log_softmax = log_softmax
+        steps[recompute] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "scorings": len(calls),
+                            "microbatches": m["num_microbatches"]}
+    print(json.dumps({"case": "recompute", "plain": steps[False], "recomputed": steps[True]}), flush=True)
     actor.close()
     traces = sorted(p.name for p in (work / "traces").iterdir())
     print(json.dumps({"case": "traces", "files": traces}), flush=True)
