@@ -501,6 +501,9 @@ class EngineConfig(_Section):
     """Which inference engine serves rollouts and where the router is."""
 
     engine: Literal["builtin", "sglang"] = "builtin"
+    rollout_external_engine_addrs: list[str] | None = Field(
+        None, description="engines a user started (host:port or URL): registered with the router instead of "
+                          "launched; stopping the run leaves them running (slime/engines/fleet.py)")
     http_proxy: str | None = Field(None, description="for plugins (args.http_proxy); engines and the router are "
                                                      "reached on 127.0.0.1 without it")
     sglang_router_ip: str = "127.0.0.1"
@@ -1137,6 +1140,16 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
              "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
     t = config.train
+    if config.engine.rollout_external_engine_addrs:
+        from slime.engines.fleet import external_engine_urls
+
+        try:
+            external_engine_urls(config.engine.rollout_external_engine_addrs)
+        except ConfigError as exc:
+            fail("engine.rollout_external_engine_addrs", str(exc))
+        if config.engine.use_fault_tolerance:
+            fail("engine.use_fault_tolerance", "restarts engines this run started: external engines "
+                 "(rollout_external_engine_addrs) cannot be restarted here", "engine.rollout_external_engine_addrs")
     if t.balance_by_flops and not t.use_dynamic_batch_size:
         fail("train.balance_by_flops", "balances the micro-batches of dynamic batching: set use_dynamic_batch_size "
              "and max_tokens_per_gpu")

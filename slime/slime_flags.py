@@ -73,8 +73,6 @@ REFUSED: dict[str, str] = {
                                   "here",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
-    "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
-                                     "not built here",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
                   "manifest)",

@@ -52,6 +52,7 @@ VALUES: dict[str, list[str]] = {
     "--rollout-stop": ["</answer>"],
     "--apply-chat-template-kwargs": ['{"enable_thinking": false}'],
     "--ci-train-rollout-logprob-abs-diff-threshold": ["0.05"],
+    "--rollout-external-engine-addrs": ["127.0.0.1:30000", "http://10.0.0.2:30001"],
 }
 
 
