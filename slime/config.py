@@ -134,6 +134,9 @@ class RunConfig(_Section):
             data = {**data, "debug_train_only": True}
         return data
 
+    check_weight_update_equal: bool = Field(False, description="`slime rl`: engines snapshot and zero their "
+                                                               "weights before the first sync, which must restore "
+                                                               "them exactly (/weights_checker); fails the run if not")
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
                                              " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
     ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")
@@ -1242,5 +1245,6 @@ def megatron_flag_names() -> frozenset[str]:
         "norm_epsilon", "transformer_impl", "recompute_activations", "distributed_backend",
         "sequence_parallel", "use_distributed_optimizer", "ckpt_format", "use_precision_aware_optimizer",
         "use_pytorch_profiler", "profile_step_start", "profile_step_end",  # slime's profiling (profile.py)
+        "padded_vocab_size",  # slime's model vocabulary size (convert.vocab_padding)
     }
     return frozenset(names)

@@ -51,7 +51,7 @@ def run_sft(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.freeze import freeze_callback
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
-    from slime.convert import megatron_dtype
+    from slime.convert import megatron_dtype, vocab_padding
     from slime.data.sft import load_sft_samples
     from slime.export import resolve_checkpoint
     from slime.storage import is_committed
@@ -80,7 +80,7 @@ def run_sft(config: Config) -> dict[str, Any]:
             return _summary(path, saved_losses, resume_from)
 
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(hf_dir, megatron_dtype(config))
+    bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir))
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,
                          post_create=freeze_callback(config.train.only_train_params_name_list,
                                                      config.train.freeze_params_name_list))

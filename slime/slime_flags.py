@@ -85,7 +85,6 @@ REFUSED: dict[str, str] = {
     "opd_teacher_load": _NO_OPD,
     "opd_teacher_ckpt_step": _NO_OPD,
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
-    "check_weight_update_equal": "the engine-side weight-equality check is not built here",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
     "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
                       "template)",
@@ -96,7 +95,6 @@ REFUSED: dict[str, str] = {
     "mtp_num_layers": "multi-token prediction (MTP) layers are not built here",
     "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
     "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
-    "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
 }
 
 # flag -> how this project does the job (accepted; logged once when set)

@@ -296,3 +296,15 @@ def test_megatron_config_path_applies_the_actor_overrides(tmp_path, caplog):
     path.write_text("actor: {lr: 1}\n")
     with pytest.raises(ConfigError, match="needs a top-level 'megatron' list"):
         load_config(None, ["--megatron-config-path", str(path)])
+
+
+def test_padded_vocab_size_is_the_bridges_padding(tiny_kit):
+    from slime.convert import vocab_padding
+
+    model = str(tiny_kit.model_dir)  # vocabulary 384
+    assert vocab_padding(load_config(None, []), model) == 128  # Megatron's default multiple
+    assert vocab_padding(load_config(None, ["--make-vocab-size-divisible-by", "64"]), model) == 64
+    assert vocab_padding(load_config(None, ["--padded-vocab-size", "512"]), model) == 512
+    for bad in (["--padded-vocab-size", "300"], ["--padded-vocab-size", "513", "--tensor-model-parallel-size", "2"]):
+        with pytest.raises(ConfigError, match="padded_vocab_size .* must be an integer >= the vocabulary"):
+            vocab_padding(load_config(None, bad), model)

@@ -249,13 +249,17 @@ class RolloutManager:
 
     # ------------------------------------------------------------------------- memory, shutdown
 
-    def _broadcast(self, urls: list[str], path: str) -> dict[str, Any]:
+    def check_weights(self, action: str) -> dict[str, Any]:
+        """slime's --check-weight-update-equal: SGLang's /weights_checker `action` on every serving engine."""
+        return self._broadcast(self.fleet.urls(), "/weights_checker", {"action": action})
+
+    def _broadcast(self, urls: list[str], path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         from slime.engines.client import EngineClient
         from slime.engines.router import broadcast_to_workers
 
         async def send() -> dict[str, Any]:
             async with EngineClient() as client:
-                return await broadcast_to_workers(client, urls, path, {})
+                return await broadcast_to_workers(client, urls, path, payload or {})
 
         try:
             return asyncio.run(send())

@@ -187,7 +187,7 @@ class TrainActor:
         from slime.backends.megatron.freeze import freeze_callback
         from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
-        from slime.convert import megatron_dtype
+        from slime.convert import megatron_dtype, vocab_padding
 
         c = self.config
         c.require("checkpoint.hf_checkpoint", stage=STAGE)
@@ -207,7 +207,7 @@ class TrainActor:
         self.profiler = TrainProfiler(c, self.rank)  # memory history from here, as slime's
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        self.bridge = make_bridge(hf_dir, megatron_dtype(c))
+        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir))
         self.models = build_model(self.bridge, wrap_with_ddp=True,
                                   use_distributed_optimizer=c.train.use_distributed_optimizer,
                                   post_create=freeze_callback(c.train.only_train_params_name_list,

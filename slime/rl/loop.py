@@ -179,7 +179,14 @@ class RLLoop:
         moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
                                       redo_start_eval=tail is not None)
         debug = c.run.debug_rollout_only or c.run.debug_train_only  # one side only: nothing to sync
+        check = c.run.check_weight_update_equal and not debug
+        if check:  # slime: engines snapshot their (HF) weights and zero them; the first sync must restore them
+            for action in ("snapshot", "reset_tensors"):
+                ray.get(self.manager.check_weights.remote(action))
         sync = {} if debug else self._update_weights(self.start_rollout_id)  # engines start from HF: align them
+        if check:
+            ray.get(self.manager.check_weights.remote("compare"))
+            logger.info("--check-weight-update-equal: every engine's weights equal their snapshot after the sync")
         if self.offload_train and self.train_group is not None:
             self.train_group.offload()
         tensorboard = None

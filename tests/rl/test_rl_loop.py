@@ -61,7 +61,8 @@ def versions(config, rollout_id: int) -> set[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def full_run(tiny_kit, root, ray_cluster):
-    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2})
+    # check_weight_update_equal: engines zero their weights before the first sync, which must restore them
+    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2}, run={"check_weight_update_equal": True})
     return config, run_rl(config)
 
 

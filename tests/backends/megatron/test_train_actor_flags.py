@@ -31,10 +31,11 @@ def test_trainer_flags_change_what_the_rank_does(tiny_kit, tmp_path):
     assert any(f.startswith("train_log_probs_rank_0.") for f in files), files
 
 
-def test_no_advantage_computation_trains_on_the_samples_advantages(tiny_kit, tmp_path):
+def test_no_advantage_computation_trains_on_the_samples_advantages_with_a_padded_vocabulary(tiny_kit, tmp_path):
     row = run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "no-advantages", timeout=600)[0]
     # ratio 1 on the first step: pg_loss = -mean(advantage) = -0.5 (GRPO on these rewards would give ~0)
     assert row["pg_loss"] == -0.5 and row["has_log_probs"] is False and row["grad_norm"] > 0, row
+    assert row["embedding_rows"] == [512]  # --padded-vocab-size (the kit's vocabulary: 384, padded to 384)
 
 
 def test_keep_old_actor_scores_with_the_synced_weights(tiny_kit, tmp_path):

@@ -9,7 +9,7 @@
 train_log_probs, then --recompute-loss-function against a plain step at lr 0,
 over three rollouts; one JSON row per rollout (KL to the reference, Adam's largest step count, ...), one
 for the chunked log-prob pass, one listing the trace files. `no-advantages`: one rollout with
---disable-compute-advantages-and-returns, whose samples carry their advantages. `old-actor`:
+--disable-compute-advantages-and-returns, whose samples carry their advantages, and --padded-vocab-size 512. `old-actor`:
 --keep-old-actor with update_weights_interval 2 over three rollouts of the same samples, the weights synced
 (as far as the rank knows: `keep_old_weights_after_sync`) after the second.
 """
@@ -125,13 +125,15 @@ def no_advantages(model_dir: str, work: Path) -> None:
         "checkpoint": {"hf_checkpoint": model_dir},
         "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 1},
         "algorithm": {"disable_compute_advantages_and_returns": True},
-        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4}})
+        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4},
+        "megatron": {"padded_vocab_size": 512}})
     actor = TrainActor(config.model_dump(mode="json"), 0, 1)
     actor.init(f"tcp://127.0.0.1:{free_port()}")
     uri = str(work / "rollout-adv")
     rollout(uri, 4, 4, advantage=0.5)
     m = actor.train(0, uri)
-    print(json.dumps({"case": "no advantages", "pg_loss": m["train/pg_loss"],
+    rows = [p.shape[0] for n, p in actor.models[0].named_parameters() if n.endswith("word_embeddings.weight")]
+    print(json.dumps({"case": "no advantages", "pg_loss": m["train/pg_loss"], "embedding_rows": rows,
                       "has_log_probs": "rollout/log_probs" in m, "grad_norm": m["train/grad_norm"]}), flush=True)
 
 
