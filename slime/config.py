@@ -178,6 +178,9 @@ class ClusterConfig(_Section):
     offload: bool = Field(False, description="slime's shorthand: offload_train and offload_rollout both true")
     offload_train: bool | None = Field(None, description="None: same as colocate")
     offload_rollout: bool | None = Field(None, description="None: same as colocate")
+    release_train: bool = Field(False, description="`slime rl`: end the train rank processes after each sync and "
+                                                    "start new ones from the rollout's checkpoint (saved every "
+                                                    "rollout) before the next train step")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
     distributed_timeout_minutes: int = Field(10, ge=1, description="the train ranks' torch.distributed timeout")
 
@@ -424,6 +427,9 @@ class SftConfig(_Section):
 
     sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
     messages_key: str = "messages"
+    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] | None = Field(
+        None, description="slime's per-message loss masks for chat templates without {% generation %} blocks "
+                          "(slime/data/loss_mask.py); None: the template's generation marks")
     sft_num_epoch: int = Field(1, ge=1)
     sft_save_interval: int | None = Field(None, ge=1, description="save the full SFT training state every N "
                                           "optimizer steps (resume point); None: only at the end")
@@ -1153,6 +1159,13 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if config.engine.use_fault_tolerance:
             fail("engine.use_fault_tolerance", "restarts engines this run started: external engines "
                  "(rollout_external_engine_addrs) cannot be restarted here", "engine.rollout_external_engine_addrs")
+    if config.cluster.release_train:
+        if not config.checkpoint.save or config.checkpoint.no_save_optim:
+            fail("cluster.release_train", "the recreated train ranks resume from a full checkpoint of each rollout: "
+                 "set checkpoint.save and leave no_save_optim off", "checkpoint.no_save_optim")
+        if config.sync.async_mode:
+            fail("cluster.release_train", "async mode trains while generating: the train ranks cannot be released",
+                 "sync.async_mode")
     if t.balance_by_flops and not t.use_dynamic_batch_size:
         fail("train.balance_by_flops", "balances the micro-batches of dynamic batching: set use_dynamic_batch_size "
              "and max_tokens_per_gpu")
@@ -1178,6 +1191,9 @@ def _validate(config: Config, where: dict[str, str]) -> None:
             config.rollout.rollout_function_path == type(r).model_fields["rollout_function_path"].default:
         fail("data.disable_rollout_global_dataset", "the default rollout draws prompts from the global dataset (slime "
              "asserts it too): set rollout_function_path to a rollout function that makes its prompts")
+    if config.sft.loss_mask_type == "qwen3_5":
+        fail("sft.loss_mask_type", "qwen3_5 (offset mapping over the rendered text) is not built here: use qwen, "
+             "qwen3 or distill_qwen, or a template with {% generation %} blocks")
     if config.run.load_debug_rollout_data_subsample and not config.run.load_debug_rollout_data:
         fail("run.load_debug_rollout_data_subsample", "subsamples stored rollouts: set load_debug_rollout_data")
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:

@@ -60,7 +60,7 @@ def run_sft(config: Config) -> dict[str, Any]:
     config = config.model_copy(update={"train": config.sft_train()})  # sft_lr etc. (validated with the config)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = load_sft_samples(config.sft.sft_data, tokenizer, messages_key=config.sft.messages_key,
-                               tool_key=config.data.tool_key)
+                               tool_key=config.data.tool_key, loss_mask_type=config.sft.loss_mask_type)
     batch_size = config.train.global_batch_size or len(samples)
     if batch_size > len(samples):
         batch_size = len(samples)

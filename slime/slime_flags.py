@@ -68,7 +68,6 @@ _NO_OPD = "on-policy distillation (a teacher's log-probs as reward) is not built
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
-    "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
     "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
                                   "here",
     "freeze_indexer": "DSA indexer layers are not built here",
@@ -86,8 +85,6 @@ REFUSED: dict[str, str] = {
     "opd_teacher_ckpt_step": _NO_OPD,
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
-    "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
-                      "template)",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_moe_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
@@ -152,6 +149,8 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "disable_rollout_global_dataset": "a plain flag: slime stores its negation (rollout_global_dataset)",
     "data_source_path": "this project's RolloutDataSource (slime: its RolloutDataSourceWithBuffer); a class "
                         "written to slime's interface works the same",
+    "loss_mask_type": "None: SFT masks come from the chat template's {% generation %} marks (the kits' templates); "
+                      "slime: qwen, which is here too",
     "update_weight_transport": "None: --weight-sync-mode auto picks (tensor when colocated, distributed "
                                "otherwise); slime: nccl",
 }

@@ -40,6 +40,7 @@ COMPANIONS: dict[str, list[str]] = {
     "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
     "--update-weight-local-checkpoint-dir": ["--update-weight-mode", "delta", "--weight-sync-mode", "disk"],
     "--use-stateless-adam": ["--no-save-optim"],
+    "--release-train": ["--save", "/tmp/ckpt"],
     "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"],
     "--disable-rollout-global-dataset": ["--rollout-function-path", "my.rollout"],
     "--ref-update-interval": ["--use-kl-loss"],

@@ -187,7 +187,9 @@ class RLLoop:
         if check:
             ray.get(self.manager.check_weights.remote("compare"))
             logger.info("--check-weight-update-equal: every engine's weights equal their snapshot after the sync")
-        if self.offload_train and self.train_group is not None:
+        if c.cluster.release_train and self.train_group is not None:  # slime: no train ranks during rollouts
+            self.train_group.release()
+        elif self.offload_train and self.train_group is not None:
             self.train_group.offload()
         tensorboard = None
         if c.run.use_tensorboard:
@@ -286,7 +288,9 @@ class RLLoop:
         """Train on the shard set `uri`; the train group's global metrics."""
         if self.train_group is None:  # --debug-rollout-only
             return {"rollout_id": rollout_id, "trained": False}
-        if self.offload_train:
+        if self.train_group.released:  # --release-train: new ranks from the last rollout's checkpoint
+            self.train_group.recreate(rollout_id)
+        elif self.offload_train:
             self.train_group.onload()
         metrics = self.train_group.train(rollout_id, uri)
         self._step(rollout_id).update(metrics)
@@ -316,7 +320,9 @@ class RLLoop:
                 self._ready[nxt] = ray.get(generate)
                 metrics["perf/wait_inflight_rollout_s"] = time.monotonic() - t0
             metrics.update(self._update_weights(nxt))
-        if self.offload_train and self.train_group is not None:
+        if self.config.cluster.release_train and self.train_group is not None:  # slime: ranks gone until train
+            self.train_group.release()
+        elif self.offload_train and self.train_group is not None:
             self.train_group.offload()
         metrics["weight_version"] = self.weight_version
         self._step(rollout_id).update(metrics)
@@ -365,8 +371,8 @@ class RLLoop:
         if self.train_group is None:  # --debug-rollout-only: nothing trained
             return False
         ck = self.config.checkpoint
-        return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout)
-                                  or rollout_id + 1 == self.num_rollout)
+        return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout) or rollout_id + 1 == self.num_rollout
+                                  or self.config.cluster.release_train)  # the recreated ranks resume from it
 
     @unwrap_signal_errors
     def maybe_save(self, rollout_id: int) -> dict[str, Any]:
