@@ -192,7 +192,8 @@ def flag_table_markdown() -> str:
         f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
         f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
         + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
-        "A refused flag stops `load_config` with its reason; a mapped one is logged once.",
+        "A refused flag stops `load_config` with its reason; a mapped one is logged once, and so is an accepted "
+        "one that slime's own code never reads (its note says so: only plugins do).",
         "",
         "| flag | slime's type, default | slime's meaning | here | where / why |",
         "|---|---|---|---|---|",
