@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from slime.errors import ConfigError
-from slime.slime_flags import MAPPED, REFUSED, flag_table_markdown
+from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,22 @@ class RunConfig(_Section):
     load_debug_rollout_data: str | None = Field(None, description="mapped: URI template of committed rollout shard "
                                                                   "sets, {rollout_id} formatted; implies "
                                                                   "debug_train_only")
+    load_debug_rollout_data_subsample: float | None = Field(
+        None, gt=0, le=1, description="train on this share of each stored rollout: the first and last quarter of "
+                                      "int(rows x share) rows, as slime (whole groups here)")
+    log_correct_samples: bool = Field(False, description="log rollout/correct_length/p25..p100 (correct responses "
+                                                         "by response-length quartile) and rollout/correct_entropy")
+    profile_target: list[Literal["train_overall", "train_actor", "train_log_probs"]] = Field(
+        ["train_overall"], min_length=1, description="what megatron.use_pytorch_profiler and record_memory_history "
+                                                     "cover (slime/backends/megatron/profile.py)")
+    record_memory_history: bool = Field(False, description="with train_overall: record the train rank's allocator "
+                                                           "history and dump it after memory_snapshot_num_steps "
+                                                           "rollouts (torch: CUDA only)")
+    memory_snapshot_dir: str = Field(".", description="where memory snapshots are written")
+    memory_snapshot_num_steps: int | None = Field(None, ge=1, description="dump the memory snapshot after this many "
+                                                                          "rollouts")
+    memory_recorder: Literal["torch", "memray"] = Field("torch", description="torch: torch.cuda.memory history "
+                                                        "(JSON snapshot); memray: memray.Tracker (needs memray)")
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +134,9 @@ class RunConfig(_Section):
             data = {**data, "debug_train_only": True}
         return data
 
+    check_weight_update_equal: bool = Field(False, description="`slime rl`: engines snapshot and zero their "
+                                                               "weights before the first sync, which must restore "
+                                                               "them exactly (/weights_checker); fails the run if not")
     ci_test: bool = Field(False, description="`slime rl`: fail the run when slime's invariants break (slime/rl/ci.py:"
                                              " train/rollout log-prob gap, first-step ppo_kl, initial KL)")
     ci_disable_kl_checker: bool = Field(False, description="ci_test without the KL checks")
@@ -159,6 +178,9 @@ class ClusterConfig(_Section):
     offload: bool = Field(False, description="slime's shorthand: offload_train and offload_rollout both true")
     offload_train: bool | None = Field(None, description="None: same as colocate")
     offload_rollout: bool | None = Field(None, description="None: same as colocate")
+    release_train: bool = Field(False, description="`slime rl`: end the train rank processes after each sync and "
+                                                    "start new ones from the rollout's checkpoint (saved every "
+                                                    "rollout) before the next train step")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
     distributed_timeout_minutes: int = Field(10, ge=1, description="the train ranks' torch.distributed timeout")
 
@@ -208,6 +230,14 @@ class DataConfig(_Section):
     rollout_shuffle: bool = False
     rollout_max_prompt_len: int | None = Field(None, ge=1)
     num_epoch: int | None = Field(None, ge=1, description="sets num_rollout from the data size when unset")
+    disable_rollout_global_dataset: bool = Field(False, description="no prompt data: the rollout gets groups of "
+                                                                    "empty samples with fresh ids and a custom "
+                                                                    "rollout function makes the prompts")
+    data_source_path: str = Field("slime.data.source.RolloutDataSource", description="data-source class, built as "
+                                  "cls(args), with slime's get_samples(num_samples), add_samples(groups), __len__ "
+                                  "(slime/data/source.py)")
+    start_rollout_id: int | None = Field(None, ge=0, description="`slime rl`: first rollout id; None: the resumed "
+                                                                 "checkpoint's next, else 0")
 
 
 class RolloutConfig(_Section):
@@ -248,6 +278,12 @@ class RolloutConfig(_Section):
                                                              "True; None: rollout_function_path")
     rollout_data_transport: Literal["object-store", "nixl"] = Field(
         "object-store", description="mapped: rollout data reaches the trainer as an Arrow shard set in the store")
+    # slime's rollout-buffer settings: its own code never reads them, its rollout-buffer example plugin does
+    rollout_buffer_url: str | None = Field(None, description="for plugins (args.rollout_buffer_url): the rollout "
+                                                             "buffer server's URL")
+    fetch_trajectory_retry_times: int = Field(-1, description="for plugins: fetch retries, -1 unlimited")
+    min_batch_collection_ratio: float = Field(1, description="for plugins: share of a batch to collect")
+    rollout_task_type: str = Field("math", description="for plugins: the rollout buffer's task type")
 
 
 class RewardConfig(_Section):
@@ -259,6 +295,9 @@ class RewardConfig(_Section):
     group_rm: bool = False
     reward_key: str | None = Field(None, description="entry of a dict reward to train on")
     custom_reward_post_process_path: str | None = None
+    custom_convert_samples_to_train_data_path: str | None = Field(
+        None, description="fn(args, samples) -> slime's train_data dict (rewards, loss_masks, ...): replaces the "
+                          "trainer's reward normalisation and loss masks (slime/ray/train_actor.py)")
 
 
 AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
@@ -304,6 +343,14 @@ class AlgorithmConfig(_Section):
     use_opsm: bool = Field(False, description="off-policy sequence masking: no policy loss for a sequence with a "
                                               "negative advantage whose mean old - new log-prob exceeds opsm_delta")
     opsm_delta: float = Field(1e-4, ge=0, description="OPSM's sequence-KL threshold")
+    keep_old_actor: bool = Field(False, description="old log-probs under a host copy of the weights the engines "
+                                                    "generated with (not the current actor): the previous sync's "
+                                                    "with update_weights_interval 1 (one-step-off), else the last")
+    ref_update_interval: int | None = Field(None, ge=1, description="copy the actor's weights into the KL reference "
+                                                                    "every N rollouts (after training rollout N-1)")
+    disable_compute_advantages_and_returns: bool = Field(
+        False, description="no reference/old log-prob passes and no advantage estimator: advantages come with the "
+                           "samples (metadata['advantage']), the ratio's denominator is the step's own log-probs")
 
 
 class TrainConfig(_Section):
@@ -343,6 +390,24 @@ class TrainConfig(_Section):
                                                       "to freeze (slime/backends/megatron/freeze.py)")
     reset_optimizer_states: bool = Field(False, description="zero Adam's step and moments after each rollout's "
                                                             "training")
+    use_stateless_adam: bool = Field(False, description="Adam whose moments start from zero at every optimizer step "
+                                                        "(slime's StatelessAdam update); needs no_save_optim")
+    data_pad_size_multiplier: int = Field(1, ge=1, description="right-pad every micro-batch's sequence length to a "
+                                                               "multiple of this")
+    log_probs_chunk_size: int = Field(-1, description="score response positions in chunks of this many (log-softmax "
+                                                      "over the vocabulary per chunk, less peak memory); -1: all at "
+                                                      "once")
+    megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
+                                                               "role: actor, overrides: {...}}]): the actor entry's "
+                                                               "overrides win over flags and YAML; critic: ignored")
+    recompute_loss_function: bool = Field(False, description="score the logits and compute the loss under "
+                                                             "torch.utils.checkpoint: recomputed in the backward "
+                                                             "pass instead of keeping the softmax activations")
+    balance_by_flops: bool = Field(False, description="dynamic batching: ceil(tokens / max_tokens_per_gpu) "
+                                                      "micro-batches of even estimated FLOPs (Karmarkar-Karp) "
+                                                      "instead of first-fit; may pass the token limit, as in slime")
+    balance_data: bool = Field(False, description="split each step's samples over data-parallel ranks by "
+                                                  "Karmarkar-Karp on estimated forward FLOPs (equal counts)")
     custom_advantage_function_path: str | None = Field(
         None, description="fn(args, rollout_data) sets advantages and returns, instead of the estimator "
                           "(slime/backends/megatron/hooks.py)")
@@ -362,6 +427,9 @@ class SftConfig(_Section):
 
     sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
     messages_key: str = "messages"
+    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] | None = Field(
+        None, description="slime's per-message loss masks for chat templates without {% generation %} blocks "
+                          "(slime/data/loss_mask.py); None: the template's generation marks")
     sft_num_epoch: int = Field(1, ge=1)
     sft_save_interval: int | None = Field(None, ge=1, description="save the full SFT training state every N "
                                           "optimizer steps (resume point); None: only at the end")
@@ -425,6 +493,8 @@ class EvalConfig(_Section):
     eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
     eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
                                                           "reward_key")
+    eval_max_context_len: int | None = Field(None, ge=1, description="for eval plugins (args.eval_max_context_len): "
+                                                                     "the eval prompt + response token budget")
     eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
                                                                     "tokens (needs hf_checkpoint's tokenizer)")
     eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
@@ -442,6 +512,11 @@ class EngineConfig(_Section):
     """Which inference engine serves rollouts and where the router is."""
 
     engine: Literal["builtin", "sglang"] = "builtin"
+    rollout_external_engine_addrs: list[str] | None = Field(
+        None, description="engines a user started (host:port or URL): registered with the router instead of "
+                          "launched; stopping the run leaves them running (slime/engines/fleet.py)")
+    http_proxy: str | None = Field(None, description="for plugins (args.http_proxy); engines and the router are "
+                                                     "reached on 127.0.0.1 without it")
     sglang_router_ip: str = "127.0.0.1"
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
     use_fault_tolerance: bool = Field(False, description="`slime rl`: poll every engine's /health_generate; a dead "
@@ -946,6 +1021,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         nested, origin = parse_overrides(overrides)
         data = _merge(data, nested)
         where.update(origin)
+    role_path = (data.get("train") or {}).get("megatron_config_path")
+    if role_path:
+        nested, origin = read_megatron_role_config(role_path, "actor")
+        data = _merge(data, nested)
+        where.update(origin)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
@@ -985,12 +1065,55 @@ def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
 
 
 def _log_mapped(config: Config, where: dict[str, str]) -> None:
-    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED)."""
-    for name, how in MAPPED.items():
+    """One log line per slime flag given that this project does its own way (slime_flags.MAPPED) or that
+    only plugins read (slime_flags.PLUGIN_ONLY)."""
+    for name, how in {**MAPPED, **PLUGIN_ONLY}.items():
         section = getattr(config, FIELD_SECTION[name])
         given = f"{FIELD_SECTION[name]}.{name}" in where
         if given or getattr(section, name) != type(section).model_fields[name].default:
             logger.info("--%s: %s", name.replace("_", "-"), how)
+
+
+def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """slime's --megatron-config-path: the `overrides` (or `args`) of the one entry with `role` in the file's
+    top-level `megatron` list, as a nested config update (typed fields to their sections, Megatron flags to
+    the pass-through) and where each came from. As in slime, num_nodes/num_gpus_per_node are ignored (the
+    cluster flags place the GPUs) and numbers YAML reads as strings (1e-5) become numbers."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"megatron_config_path {path}: no such file")
+    try:
+        raw = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"megatron_config_path {path}: invalid YAML: {exc}") from None
+    entries = raw.get("megatron") if isinstance(raw, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"megatron_config_path {path}: needs a top-level 'megatron' list, e.g. megatron: [{{name: "
+                          "default, role: actor, overrides: {...}}]")
+    mine = [e for e in entries if e.get("role") == role]
+    if len(mine) > 1:
+        raise ConfigError(f"megatron_config_path {path}: {len(mine)} entries with role {role}; at most one")
+    for other in {e.get("role") for e in entries} - {role}:
+        logger.info("megatron_config_path %s: role %r is not trained here (the RL train group runs the actor)",
+                    path, other)
+    values = (mine[0].get("overrides") or mine[0].get("args") or {}) if mine else {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"megatron_config_path {path}: the {role} entry's overrides must be a mapping")
+    nested: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in values.items():
+        if key in ("num_nodes", "num_gpus_per_node"):
+            logger.info("megatron_config_path %s: %s ignored: GPU placement follows the cluster flags", path, key)
+            continue
+        if isinstance(value, str):
+            value = _scalar(value)
+        section = FIELD_SECTION.get(key)
+        if section is None and key not in megatron_flag_names():
+            raise ConfigError(f"megatron_config_path {path}: {role} override {key!r} is neither a config field nor "
+                              f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names()])}")
+        nested.setdefault(section or "megatron", {})[key] = value
+        origin[f"{section or 'megatron'}.{key}"] = f"{path} ({role} overrides.{key})"
+    return nested, origin
 
 
 def read_custom_config(path: str) -> dict[str, Any]:
@@ -1146,6 +1269,54 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.run.debug_train_only and not config.run.load_debug_rollout_data:
         fail("run.debug_train_only", "needs load_debug_rollout_data (--load-debug-rollout-data): the stored rollout "
              "shard sets to train on, e.g. runs/RUN/rollout/{rollout_id:06d}")
+    t = config.train
+    if config.engine.rollout_external_engine_addrs:
+        from slime.engines.fleet import external_engine_urls
+
+        try:
+            external_engine_urls(config.engine.rollout_external_engine_addrs)
+        except ConfigError as exc:
+            fail("engine.rollout_external_engine_addrs", str(exc))
+        if config.engine.use_fault_tolerance:
+            fail("engine.use_fault_tolerance", "restarts engines this run started: external engines "
+                 "(rollout_external_engine_addrs) cannot be restarted here", "engine.rollout_external_engine_addrs")
+    if config.cluster.release_train:
+        if not config.checkpoint.save or config.checkpoint.no_save_optim:
+            fail("cluster.release_train", "the recreated train ranks resume from a full checkpoint of each rollout: "
+                 "set checkpoint.save and leave no_save_optim off", "checkpoint.no_save_optim")
+        if config.sync.async_mode:
+            fail("cluster.release_train", "async mode trains while generating: the train ranks cannot be released",
+                 "sync.async_mode")
+    if t.balance_by_flops and not t.use_dynamic_batch_size:
+        fail("train.balance_by_flops", "balances the micro-batches of dynamic batching: set use_dynamic_batch_size "
+             "and max_tokens_per_gpu")
+    if t.use_stateless_adam and t.optimizer != "adam":
+        fail("train.use_stateless_adam", f"stateless Adam needs optimizer adam, not {t.optimizer}", "train.optimizer")
+    if t.use_stateless_adam and not config.checkpoint.no_save_optim:
+        fail("train.use_stateless_adam", "stateless Adam keeps no moments to save: set no_save_optim "
+             "(--no-save-optim), as slime requires")
+    if a.ref_update_interval and not (a.use_kl_loss or a.kl_coef):
+        fail("algorithm.ref_update_interval", "there is no reference model to update: it is built for use_kl_loss "
+             "or kl_coef")
+    if a.disable_compute_advantages_and_returns:
+        given = [n for n in ("use_kl_loss", "kl_coef", "custom_advantage_function_path", "normalize_advantages",
+                             "keep_old_actor")
+                 if getattr(a if n != "custom_advantage_function_path" else t, n)]
+        if given:
+            fail("algorithm.disable_compute_advantages_and_returns", f"{given[0]} needs the reference/old log-prob "
+                 "passes or the advantage computation that this flag turns off")
+    if config.run.memory_recorder == "memray" and config.run.record_memory_history and \
+            config.run.memory_snapshot_num_steps is None:
+        fail("run.memory_recorder", "memray needs memory_snapshot_num_steps (when to stop the tracker), as in slime")
+    if config.data.disable_rollout_global_dataset and \
+            config.rollout.rollout_function_path == type(r).model_fields["rollout_function_path"].default:
+        fail("data.disable_rollout_global_dataset", "the default rollout draws prompts from the global dataset (slime "
+             "asserts it too): set rollout_function_path to a rollout function that makes its prompts")
+    if config.sft.loss_mask_type == "qwen3_5":
+        fail("sft.loss_mask_type", "qwen3_5 (offset mapping over the rendered text) is not built here: use qwen, "
+             "qwen3 or distill_qwen, or a template with {% generation %} blocks")
+    if config.run.load_debug_rollout_data_subsample and not config.run.load_debug_rollout_data:
+        fail("run.load_debug_rollout_data_subsample", "subsamples stored rollouts: set load_debug_rollout_data")
     if config.run.ci_save_grad_norm and config.run.ci_load_grad_norm:
         fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
     s = config.sync
@@ -1217,5 +1388,7 @@ def megatron_flag_names() -> frozenset[str]:
         "swiglu", "disable_bias_linear", "add_qkv_bias", "group_query_attention", "num_query_groups",
         "norm_epsilon", "transformer_impl", "recompute_activations", "distributed_backend",
         "sequence_parallel", "use_distributed_optimizer", "ckpt_format", "use_precision_aware_optimizer",
+        "use_pytorch_profiler", "profile_step_start", "profile_step_end",  # slime's profiling (profile.py)
+        "padded_vocab_size",  # slime's model vocabulary size (convert.vocab_padding)
     }
     return frozenset(names)

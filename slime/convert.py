@@ -16,10 +16,28 @@ from typing import Any
 import torch
 
 from slime.config import Config
+from slime.errors import ConfigError
 
 
 def megatron_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.megatron.get("bf16") else torch.float32
+
+
+def vocab_padding(config: Config, hf_dir: str) -> int:
+    """`make_bridge`'s make_vocab_size_divisible_by: Megatron's --padded-vocab-size (slime passes it to the
+    model as its vocabulary size) as the one multiple that rounds the HF vocabulary up to exactly that size,
+    else --make-vocab-size-divisible-by (Megatron's default 128)."""
+    from slime.backends.megatron.bridge import load_hf_config
+
+    padded = config.megatron.get("padded_vocab_size")
+    if padded is None:
+        return int(config.megatron.get("make_vocab_size_divisible_by", 128))
+    vocab = load_hf_config(hf_dir).vocab_size
+    tp = int(config.megatron.get("tensor_model_parallel_size", 1))
+    if not isinstance(padded, int) or padded < vocab or padded % tp:
+        raise ConfigError(f"megatron.padded_vocab_size {padded!r}: must be an integer >= the vocabulary of {hf_dir} "
+                          f"({vocab}) and a multiple of tensor_model_parallel_size ({tp})")
+    return padded
 
 
 def run_convert(config: Config) -> dict[str, Any]:
@@ -32,7 +50,7 @@ def run_convert(config: Config) -> dict[str, Any]:
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
     dtype = megatron_dtype(config)
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(hf_dir, dtype)
+    bridge = make_bridge(hf_dir, dtype, vocab_padding(config, hf_dir))
     models = build_model(bridge, hf_dir)
     save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"),
                           metadata={**checkpoint_metadata(bridge, hf_dir), "stage": "convert"})

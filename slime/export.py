@@ -50,6 +50,7 @@ def run_export(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
+    from slime.convert import vocab_padding
     from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
 
     path = resolve_checkpoint(config.checkpoint.load)
@@ -63,7 +64,8 @@ def run_export(config: Config) -> dict[str, Any]:
         raise ConfigError(f"{out} already holds a committed export; choose another --output-dir")
     dtype = torch.bfloat16 if meta.get("dtype") == "bfloat16" else torch.float32
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(origin, dtype)
+    # the checkpoint's own vocabulary rows (Megatron's padded size, recorded at save) decide the model's shape
+    bridge = make_bridge(origin, dtype, meta.get("padded_vocab_size") or vocab_padding(config, origin))
     saved_lora = meta.get("lora")
     if saved_lora:
         return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out)

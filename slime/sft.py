@@ -52,7 +52,7 @@ def run_sft(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
-    from slime.convert import megatron_dtype
+    from slime.convert import megatron_dtype, vocab_padding
     from slime.data.sft import load_sft_samples
     from slime.export import resolve_checkpoint
     from slime.storage import is_committed
@@ -61,7 +61,7 @@ def run_sft(config: Config) -> dict[str, Any]:
     config = config.model_copy(update={"train": config.sft_train()})  # sft_lr etc. (validated with the config)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     samples = load_sft_samples(config.sft.sft_data, tokenizer, messages_key=config.sft.messages_key,
-                               tool_key=config.data.tool_key)
+                               tool_key=config.data.tool_key, loss_mask_type=config.sft.loss_mask_type)
     batch_size = config.train.global_batch_size or len(samples)
     if batch_size > len(samples):
         batch_size = len(samples)
@@ -81,7 +81,7 @@ def run_sft(config: Config) -> dict[str, Any]:
             return _summary(path, saved_losses, resume_from)
 
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(hf_dir, megatron_dtype(config))
+    bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir))
     lora_spec = LoraSpec.from_config(config)  # LoRA: adapters on the frozen base (docs/lora.md)
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,
                          post_create=lora_callback(lora_spec) or freeze_callback(

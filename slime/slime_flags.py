@@ -64,38 +64,18 @@ def source_commit() -> str:
 
 _NO_MOE = "MoE routing replay is not built here (no MoE model support)"
 _NO_OPD = "on-policy distillation (a teacher's log-probs as reward) is not built here"
-_NO_PROFILE = "memory and torch profiling hooks are not built here"
-_NO_BUFFER = "slime's external rollout-buffer server protocol is not built here; rollouts come from the engines"
 
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
-    "release_train": "train actors are kept for the whole run (offload with --offload-train instead)",
     "custom_model_provider_path": "models are built by mbridge from the HF config; a custom provider is not built "
                                   "here",
-    "recompute_loss_function": "loss recomputation (activation memory saving) is not built here",
-    "log_probs_chunk_size": "chunked log-prob computation is not built here (log-probs use whole micro-batches)",
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
-    "keep_old_actor": "no separate old-actor copy: old log-probs are recomputed by the trainer each rollout",
-    "rollout_external_engine_addrs": "engines are started and registered by this project; external engines are "
-                                     "not built here",
-    "disable_rollout_global_dataset": "the rollout always draws from the global prompt dataset (--prompt-data)",
-    "data_source_path": "a custom data-source class is not built here (slime.data.source is the one data source)",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
-    "start_rollout_id": "the start rollout comes from the checkpoint manifest (--load); overriding it is not built "
-                        "here",
-    "balance_data": "FLOPs balancing across data-parallel ranks is not built here",
-    "balance_by_flops": "FLOPs balancing across data-parallel ranks is not built here",
-    "eval_max_context_len": "an eval context budget is not built here (eval uses --eval-max-response-len)",
     "async_save": "asynchronous checkpoint saving is not built here (saves are synchronous and committed by "
                   "manifest)",
     "num_critic_only_steps": "critic-only warm-up steps are not built here",
-    "megatron_config_path": "per-role Megatron YAML configs are not built here (one megatron: section)",
-    "disable_compute_advantages_and_returns": "advantages are always computed (use --loss-type sft_loss for a "
-                                              "loss without them)",
-    "ref_update_interval": "updating the reference model from the actor is not built here",
-    "use_stateless_adam": "stateless Adam is not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
     "use_opd": _NO_OPD,
@@ -103,25 +83,8 @@ REFUSED: dict[str, str] = {
     "opd_kl_coef": _NO_OPD,
     "opd_teacher_load": _NO_OPD,
     "opd_teacher_ckpt_step": _NO_OPD,
-    "log_correct_samples": "logging of correct samples is not built here",
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
-    "load_debug_rollout_data_subsample": "replaying dumped rollouts is not built here",
-    "memory_snapshot_dir": _NO_PROFILE,
-    "memory_snapshot_num_steps": _NO_PROFILE,
-    "profile_target": _NO_PROFILE,
-    "memory_recorder": _NO_PROFILE,
-    "record_memory_history": _NO_PROFILE,
-    "check_weight_update_equal": "the engine-side weight-equality check is not built here",
-    "http_proxy": "engines and the router are reached on 127.0.0.1 without a proxy",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
-    "custom_convert_samples_to_train_data_path": "a custom samples-to-train-data hook is not built here",
-    "rollout_buffer_url": _NO_BUFFER,
-    "fetch_trajectory_retry_times": _NO_BUFFER,
-    "min_batch_collection_ratio": _NO_BUFFER,
-    "rollout_task_type": _NO_BUFFER,
-    "loss_mask_type": "model-specific multi-turn loss-mask builders are not built here (masks come from the chat "
-                      "template)",
-    "data_pad_size_multiplier": "micro-batches are padded to their longest sample; a pad multiple is not built here",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_forward_modules": "DeepGEMM block-FP8 forward layers are not built here",
     "megatron_deepgemm_moe_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",
@@ -129,7 +92,6 @@ REFUSED: dict[str, str] = {
     "mtp_num_layers": "multi-token prediction (MTP) layers are not built here",
     "mtp_loss_scaling_factor": "multi-token prediction (MTP) layers are not built here",
     "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
-    "padded_vocab_size": "the vocabulary size comes from the HF config; padding it is not built here",
 }
 
 # flag -> how this project does the job (accepted; logged once when set)
@@ -154,6 +116,22 @@ MAPPED: dict[str, str] = {
                               "Ray's object store",
 }
 
+_BUFFER_PLUGIN = ("slime's own code never reads it; its rollout-buffer example plugin does: the value reaches plugins "
+                  "as args.{name}, as in slime")
+# accepted flag that slime's own code never reads (624b824a): only plugins and examples do, on `args`; so here it
+# is a config field plugins find on `as_namespace()`, and setting it is logged once with this note
+PLUGIN_ONLY: dict[str, str] = {
+    "rollout_buffer_url": _BUFFER_PLUGIN.format(name="rollout_buffer_url"),
+    "fetch_trajectory_retry_times": _BUFFER_PLUGIN.format(name="fetch_trajectory_retry_times"),
+    "rollout_task_type": _BUFFER_PLUGIN.format(name="rollout_task_type"),
+    "min_batch_collection_ratio": "slime declares it and never reads it: accepted for launch scripts, without "
+                                  "effect, as in slime; plugins see args.min_batch_collection_ratio",
+    "http_proxy": "slime declares it and never reads it: accepted for launch scripts, without effect, as in "
+                  "slime; plugins see args.http_proxy",
+    "eval_max_context_len": "slime's own code never reads it; its example rollout functions do "
+                            "(examples/multi_agent): the value reaches plugins as args.eval_max_context_len",
+}
+
 # accepted flag -> why its default here is not slime's
 DEFAULTS_DIFFER: dict[str, str] = {
     "actor_num_gpus_per_node": "1: the embedded default runs on one device (slime: 8)",
@@ -164,6 +142,15 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "disable_rewards_normalization": "a plain flag: slime stores its negation (rewards_normalization)",
     "disable_grpo_std_normalization": "a plain flag: slime stores its negation (grpo_std_normalization)",
     "disable_wandb_random_suffix": "a plain flag: slime stores its negation (wandb_random_suffix)",
+    "data_pad_size_multiplier": "1: micro-batches here are right-padded rows, not one packed sequence, so "
+                                "rounding each row up to 128 tokens would multiply short rows' cost (slime: 128)",
+    "disable_compute_advantages_and_returns": "a plain flag: slime stores its negation "
+                                              "(compute_advantages_and_returns)",
+    "disable_rollout_global_dataset": "a plain flag: slime stores its negation (rollout_global_dataset)",
+    "data_source_path": "this project's RolloutDataSource (slime: its RolloutDataSourceWithBuffer); a class "
+                        "written to slime's interface works the same",
+    "loss_mask_type": "None: SFT masks come from the chat template's {% generation %} marks (the kits' templates); "
+                      "slime: qwen, which is here too",
     "update_weight_transport": "None: --weight-sync-mode auto picks (tensor when colocated, distributed "
                                "otherwise); slime: nccl",
 }
@@ -183,6 +170,8 @@ def classify(flag: SlimeFlag) -> tuple[str, str]:
         return "refused", REFUSED[name]
     if name in MAPPED:
         return "mapped", MAPPED[name]
+    if name in PLUGIN_ONLY:
+        return "accepted", f"{FIELD_SECTION[name]}.{name}: {PLUGIN_ONLY[name]}"
     if name in FIELD_SECTION:
         return "accepted", f"{FIELD_SECTION[name]}.{name}"
     if name in megatron_flag_names():
@@ -203,7 +192,8 @@ def flag_table_markdown() -> str:
         f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
         f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
         + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
-        "A refused flag stops `load_config` with its reason; a mapped one is logged once.",
+        "A refused flag stops `load_config` with its reason; a mapped one is logged once, and so is an accepted "
+        "one that slime's own code never reads (its note says so: only plugins do).",
         "",
         "| flag | slime's type, default | slime's meaning | here | where / why |",
         "|---|---|---|---|---|",

@@ -16,6 +16,7 @@ from slime.errors import ConfigError
 from slime.slime_flags import (
     DEFAULTS_DIFFER,
     MAPPED,
+    PLUGIN_ONLY,
     REFUSED,
     SlimeFlag,
     classify,
@@ -38,6 +39,12 @@ COMPANIONS: dict[str, list[str]] = {
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
     "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
     "--update-weight-local-checkpoint-dir": ["--update-weight-mode", "delta", "--weight-sync-mode", "disk"],
+    "--use-stateless-adam": ["--no-save-optim"],
+    "--release-train": ["--save", "/tmp/ckpt"],
+    "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024"],
+    "--disable-rollout-global-dataset": ["--rollout-function-path", "my.rollout"],
+    "--ref-update-interval": ["--use-kl-loss"],
+    "--load-debug-rollout-data-subsample": ["--load-debug-rollout-data", "runs/r/rollout/{rollout_id:06d}"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {
@@ -46,6 +53,7 @@ VALUES: dict[str, list[str]] = {
     "--rollout-stop": ["</answer>"],
     "--apply-chat-template-kwargs": ['{"enable_thinking": false}'],
     "--ci-train-rollout-logprob-abs-diff-threshold": ["0.05"],
+    "--rollout-external-engine-addrs": ["127.0.0.1:30000", "http://10.0.0.2:30001"],
 }
 
 
@@ -128,6 +136,9 @@ def test_accepted_flag_sets_its_field_with_slimes_type_and_default(flag, tmp_pat
     if flag.flag == "--custom-config-path":  # must name a YAML file
         (tmp_path / "custom.yaml").write_text("my_threshold: 3\n")
         args = [flag.flag, str(tmp_path / "custom.yaml")]
+    if flag.flag == "--megatron-config-path":  # must name a role YAML
+        (tmp_path / "roles.yaml").write_text("megatron: []\n")
+        args = [flag.flag, str(tmp_path / "roles.yaml")]
     config = load_config(None, args)
     name = flag.name
     if name not in FIELD_SECTION:  # a Megatron flag slime re-declares: the pass-through takes it
@@ -235,3 +246,66 @@ def test_eval_min_new_tokens_is_an_eval_sampling_param():
     args = load_config(None, ["--eval-min-new-tokens", "3"]).as_namespace()
     assert sampling_params_from_args(args, evaluation=True)["min_new_tokens"] == 3
     assert "min_new_tokens" not in sampling_params_from_args(args)
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--use-stateless-adam"], "set no_save_optim"),
+    (["--use-stateless-adam", "--no-save-optim", "--optimizer", "sgd"], "needs optimizer adam"),
+    (["--ref-update-interval", "2"], "no reference model to update"),
+    (["--disable-compute-advantages-and-returns", "--use-kl-loss"], "use_kl_loss needs the reference"),
+    (["--disable-compute-advantages-and-returns", "--custom-advantage-function-path", "m.f"],
+     "custom_advantage_function_path needs"),
+    (["--load-debug-rollout-data-subsample", "0.5"], "set load_debug_rollout_data"),
+])
+def test_trainer_flags_refuse_what_they_cannot_do(args, reason):
+    with pytest.raises(ConfigError, match=f"{args[0]}: .*{reason}"):
+        load_config(None, args)
+
+
+def test_plugin_only_flags_reach_plugins_and_say_so_once(caplog):
+    assert set(PLUGIN_ONLY) <= set(FIELD_SECTION) and not set(PLUGIN_ONLY) & (set(MAPPED) | set(REFUSED))
+    for name, note in PLUGIN_ONLY.items():
+        flag = next(f for f in FLAGS if f.name == name)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slime.config"):
+            args = load_config(None, example_args(flag)).as_namespace()
+        assert getattr(args, name) == _expected(flag, example_args(flag))[0] or flag.type != "str"
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"{flag.flag}:")]
+        assert len(lines) == 1 and note in lines[0]
+        assert classify(flag) == ("accepted", f"{FIELD_SECTION[name]}.{name}: {note}")
+    assert load_config(None, ["--fetch-trajectory-retry-times", "3"]).as_namespace().fetch_trajectory_retry_times == 3
+
+
+def test_megatron_config_path_applies_the_actor_overrides(tmp_path, caplog):
+    path = tmp_path / "roles.yaml"
+    path.write_text("megatron:\n"
+                    "  - name: default\n    role: actor\n    overrides:\n      lr: 1e-5\n"
+                    "      tensor_model_parallel_size: 2\n      num_nodes: 4\n"
+                    "  - name: value\n    role: critic\n    overrides: {lr: 2e-6}\n")
+    with caplog.at_level(logging.INFO, logger="slime.config"):
+        config = load_config(None, ["--megatron-config-path", str(path), "--lr", "3e-6"])
+    assert config.train.lr == 1e-5  # the role file wins over the flag, as in slime
+    assert config.megatron["tensor_model_parallel_size"] == 2 and config.cluster.actor_num_nodes == 1
+    assert config.source("train.lr") == f"{path} (actor overrides.lr)"
+    assert any("role 'critic' is not trained here" in r.getMessage() for r in caplog.records)
+    path.write_text("megatron:\n  - {role: actor, overrides: {lr_typo: 1}}\n")
+    with pytest.raises(ConfigError, match="actor override 'lr_typo' is neither"):
+        load_config(None, ["--megatron-config-path", str(path)])
+    path.write_text("megatron:\n  - {role: actor}\n  - {role: actor}\n")
+    with pytest.raises(ConfigError, match="2 entries with role actor"):
+        load_config(None, ["--megatron-config-path", str(path)])
+    path.write_text("actor: {lr: 1}\n")
+    with pytest.raises(ConfigError, match="needs a top-level 'megatron' list"):
+        load_config(None, ["--megatron-config-path", str(path)])
+
+
+def test_padded_vocab_size_is_the_bridges_padding(tiny_kit):
+    from slime.convert import vocab_padding
+
+    model = str(tiny_kit.model_dir)  # vocabulary 384
+    assert vocab_padding(load_config(None, []), model) == 128  # Megatron's default multiple
+    assert vocab_padding(load_config(None, ["--make-vocab-size-divisible-by", "64"]), model) == 64
+    assert vocab_padding(load_config(None, ["--padded-vocab-size", "512"]), model) == 512
+    for bad in (["--padded-vocab-size", "300"], ["--padded-vocab-size", "513", "--tensor-model-parallel-size", "2"]):
+        with pytest.raises(ConfigError, match="padded_vocab_size .* must be an integer >= the vocabulary"):
+            vocab_padding(load_config(None, bad), model)

@@ -18,12 +18,19 @@ Departures from slime:
 * state is versioned JSON written atomically, not a `torch.save` pickle, and loading it checks that
   it was written for the same dataset size and sampling settings;
 * a request for more groups than the dataset holds wraps as many epochs as needed (slime wraps once).
+
+`data.disable_rollout_global_dataset` (slime's flag) leaves the prompt data out: groups are copies of an
+empty `Sample()` with fresh ids, which a custom rollout function fills. `data.data_source_path` names a
+data-source class written to slime's interface instead (`cls(args)`, `get_samples(num_samples)`,
+`add_samples(groups)`, `__len__`); `make_data_source` builds either, and `CustomDataSource` gives such a
+class this project's calls (`get_samples(n, rollout_id)`, JSON `state_dict()` for resume).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import random
 import tempfile
@@ -32,11 +39,12 @@ from typing import Any
 
 from slime.data.prompts import load_prompts
 from slime.errors import ConfigError, DataFormatError
-from slime.plugins import check_signature, load_function
+from slime.plugins import PluginError, check_signature, load_function
 from slime.types import Sample
 
 STATE_VERSION = 1
 DEFAULT_BUFFER_FILTER = "slime.data.source.pop_first"
+DEFAULT_DATA_SOURCE = "slime.data.source.RolloutDataSource"
 BUFFER_FILTER_PARAMS = ["args", "rollout_id", "buffer", "num_groups"]
 
 # Integer fields of the state (all but seed non-negative); the first four are slime's cursor names.
@@ -71,6 +79,7 @@ class RolloutDataSource:
         buffer_filter_path: dotted path of `fn(args, rollout_id, buffer, num_groups) -> list[group]`,
             which must remove the groups it returns from `buffer`; None means `pop_first`.
         args: the flat namespace passed to the buffer filter as `args` (`Config.as_namespace()`).
+        global_dataset: False (slime's --disable-rollout-global-dataset): no prompts; groups of empty samples.
     """
 
     def __init__(
@@ -82,9 +91,11 @@ class RolloutDataSource:
         seed: int = 42,
         buffer_filter_path: str | None = None,
         args: Any = None,
+        global_dataset: bool = True,
     ) -> None:
-        if not prompts:
+        if not prompts and global_dataset:
             raise ConfigError("RolloutDataSource needs at least one prompt")
+        self.global_dataset = global_dataset
         if n_samples_per_prompt < 1:
             raise ConfigError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         self.prompts = list(prompts)
@@ -108,8 +119,12 @@ class RolloutDataSource:
 
         `tokenizer` is needed only for `data.apply_chat_template` or `data.rollout_max_prompt_len`.
         """
-        config.require("data.prompt_data", stage="rollout")
         data, rollout = config.data, config.rollout
+        if data.disable_rollout_global_dataset:
+            return cls([], n_samples_per_prompt=rollout.n_samples_per_prompt, seed=rollout.rollout_seed,
+                       buffer_filter_path=rollout.buffer_filter_path, args=config.as_namespace(),
+                       global_dataset=False)
+        config.require("data.prompt_data", stage="rollout")
         prompts = load_prompts(
             data.prompt_data,
             input_key=data.input_key,
@@ -165,6 +180,8 @@ class RolloutDataSource:
 
     def _next_prompts(self, count: int) -> list[Sample]:
         """The next `count` prompts of the epoch order, starting new epochs as needed."""
+        if not self.global_dataset:  # slime: no dataset, the rollout function makes the prompts
+            return [Sample() for _ in range(count)]
         taken: list[Sample] = []
         while len(taken) < count:
             if self.sample_offset == len(self.prompts):  # epoch finished: start the next lazily
@@ -308,3 +325,58 @@ class RolloutDataSource:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DataFormatError(f"{path}: not a valid data source state file (JSON): {e}") from None
         self.load_state_dict(state, where=str(path))
+
+
+def make_data_source(config: Any, tokenizer: Any = None) -> Any:
+    """The rollout's data source: `RolloutDataSource` from the config, or the class `data.data_source_path`
+    names, built as slime builds it (`cls(args)`)."""
+    path = config.data.data_source_path
+    if path == DEFAULT_DATA_SOURCE:
+        return RolloutDataSource.from_config(config, tokenizer)
+    return CustomDataSource(load_function(path)(config.as_namespace()), path)
+
+
+class CustomDataSource:
+    """A data source written to slime's interface, called the way this project's rollout calls one.
+
+    slime's `get_samples(num_samples)` takes no rollout id and its `save`/`load(rollout_id)` write torch
+    files next to the checkpoint; here a resume goes through the checkpoint's JSON, so the state is the
+    class's own `state_dict()` when it has one (and `load_state_dict` gets it back), else only its length
+    is recorded and a resumed run starts the class afresh (logged).
+    """
+
+    METHODS = ("get_samples", "add_samples", "__len__")
+
+    def __init__(self, inner: Any, path: str) -> None:
+        missing = [m for m in self.METHODS if not callable(getattr(inner, m, None))]
+        if missing:
+            raise PluginError(f"data_source_path {path}: the data source lacks {missing} (slime's DataSource "
+                              "interface: get_samples(num_samples), add_samples(samples), __len__)")
+        self.inner, self.path = inner, path
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def get_samples(self, num_groups: int, rollout_id: int | None = None) -> list[list[Sample]]:
+        groups = self.inner.get_samples(num_groups)
+        if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
+                                                   for g in groups):
+            raise DataFormatError(f"data_source_path {self.path}: get_samples({num_groups}) must return a list of "
+                                  f"groups (lists of Sample), got {groups!r:.80}")
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        self.inner.add_samples(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        own = self.inner.state_dict() if callable(getattr(self.inner, "state_dict", None)) else None
+        return {"custom_data_source": self.path, "state": own, "num_prompts": len(self.inner), "buffer": []}
+
+    def load_state_dict(self, state: Any, *, where: str = "data source state") -> None:
+        if not isinstance(state, dict) or state.get("custom_data_source") != self.path:
+            raise ConfigError(f"{where}: was saved by another data source than {self.path}")
+        if state.get("state") is not None and callable(getattr(self.inner, "load_state_dict", None)):
+            self.inner.load_state_dict(state["state"])
+        else:
+            logging.getLogger(__name__).warning("%s: %s keeps no state_dict; it starts afresh on resume", where,
+                                                self.path)

@@ -11,6 +11,10 @@ formed anew) and register it with the router again. `serve_policy` runs a fleet 
 stops it after, also on errors; the RL loop's rollout manager keeps one for the whole run and replaces
 dead engines (`slime.engines.health`).
 
+With `engine.rollout_external_engine_addrs` (slime's flag) the fleet starts no engine: its slots are the
+engines a user started, one per address, each waited for (`/health_generate`) and registered with the
+router; stopping the fleet stops the router only, and such an engine cannot be restarted.
+
 Engine states: `serving` (registered at the router), `restarting`, `awaiting_sync` (running, not
 registered: it holds another weight version than the fleet), `down` (a restart failed; the health
 monitor tries again) and `failed` (given up: stopped for good).
@@ -140,6 +144,9 @@ class EngineFleet:
     """
 
     def __init__(self, config: Config, model_dir: str, log_dir: Path, devices: list[list[int]]) -> None:
+        self.external = external_engine_urls(config.engine.rollout_external_engine_addrs or [])
+        if self.external:  # engines a user started: one slot per address, nothing to place
+            devices = [[] for _ in self.external]
         if not devices:
             raise ConfigError("an engine fleet needs at least one engine")
         self.config = config
@@ -194,6 +201,10 @@ class EngineFleet:
         from slime.engines.sglang_server import SGLangEngine
 
         c = self.config
+        if self.external:
+            slot.url = self.external[slot.index]
+            wait_external_engine(slot.url)
+            return
         log = self.log_dir / f"engine{slot.index}.log"
         if c.engine.engine == "sglang":
             env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.devices))} if slot.devices else {}
@@ -244,6 +255,9 @@ class EngineFleet:
         fresh port (state `awaiting_sync`, not registered). Returns the new URL; on a failed start the
         slot is `down` and EngineStartError is raised."""
         slot = self.slots[index]
+        if self.external:
+            raise EngineError(f"engine {index} ({slot.url}) was started outside this run "
+                              "(rollout_external_engine_addrs): it cannot be restarted here")
         with self.lock:
             old = slot.url
             slot.state = "restarting"
@@ -293,6 +307,40 @@ class EngineFleet:
             slot.server = None
         with self.lock:
             slot.state = "failed"
+
+
+def external_engine_urls(addrs: list[str]) -> list[str]:
+    """slime's --rollout-external-engine-addrs as base URLs: `host:port` or `http(s)://host:port`."""
+    urls = []
+    for addr in addrs:
+        url = addr.rstrip("/") if "://" in addr else f"http://{addr}"
+        host_port = url.split("://", 1)[1]
+        host, _, port = host_port.rpartition(":")
+        if not host or not port.isdigit() or "/" in host_port:
+            raise ConfigError(f"rollout_external_engine_addrs: {addr!r} is not host:port or http://host:port")
+        urls.append(url)
+    return urls
+
+
+def wait_external_engine(url: str, timeout_s: float = ROUTER_WAIT_S, interval_s: float = 0.5) -> None:
+    """Wait until the engine a user started at `url` answers `/health_generate` (it can generate)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with httpx.Client(timeout=10.0, trust_env=False) as http:
+        while True:
+            try:
+                reply = http.get(f"{url}/health_generate")
+                if reply.status_code == 200:
+                    return
+                last = f"HTTP {reply.status_code}: {reply.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise EngineStartError(f"external engine {url} (rollout_external_engine_addrs) did not answer "
+                                       f"/health_generate within {timeout_s:.0f} s: {last}")
+            time.sleep(interval_s)
 
 
 @contextlib.contextmanager

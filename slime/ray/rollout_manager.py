@@ -82,7 +82,7 @@ class RolloutManager:
         """Launch engines and router, build args, data source and rollout function; the URLs."""
         from transformers import AutoTokenizer
 
-        from slime.data.source import RolloutDataSource
+        from slime.data.source import make_data_source
         from slime.rollout import load_rollout_function, rollout_args
         from slime.rollout.hooks import load_eval_function, load_log_functions
 
@@ -95,7 +95,7 @@ class RolloutManager:
             self.fleet = EngineFleet(c, c.checkpoint.hf_checkpoint, self.log_dir, self.engine_devices).start()
             self.args = rollout_args(c, self.router)
             tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
-            self.data_source = RolloutDataSource.from_config(c, tokenizer)
+            self.data_source = make_data_source(c, tokenizer)
             self.rollout_fn = load_rollout_function(self.args)  # signature-checked, as generate_rollout does
             self.eval_fn = load_eval_function(self.args)
             self.log_fns = load_log_functions(self.args)
@@ -292,13 +292,17 @@ class RolloutManager:
 
     # ------------------------------------------------------------------------- memory, shutdown
 
-    def _broadcast(self, urls: list[str], path: str) -> dict[str, Any]:
+    def check_weights(self, action: str) -> dict[str, Any]:
+        """slime's --check-weight-update-equal: SGLang's /weights_checker `action` on every serving engine."""
+        return self._broadcast(self.fleet.urls(), "/weights_checker", {"action": action})
+
+    def _broadcast(self, urls: list[str], path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         from slime.engines.client import EngineClient
         from slime.engines.router import broadcast_to_workers
 
         async def send() -> dict[str, Any]:
             async with EngineClient() as client:
-                return await broadcast_to_workers(client, urls, path, {})
+                return await broadcast_to_workers(client, urls, path, payload or {})
 
         try:
             return asyncio.run(send())

@@ -56,15 +56,90 @@ def total_train_steps(config: Config) -> int | None:
     return r.num_rollout * steps_per_rollout(config, r.rollout_batch_size * r.n_samples_per_prompt)
 
 
-def rank_share(samples: list[Any], steps: int, rank: int, world_size: int) -> list[list[Any]]:
+def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
+               workloads: list[float] | None = None) -> list[list[Any]]:
     """This rank's samples of each step: step k is `samples[k*G:(k+1)*G]`, rank r takes every
-    world_size-th sample of it starting at r."""
+    world_size-th sample of it starting at r; with `workloads` (slime's --balance-data: one estimated cost
+    per sample) rank r takes group r of the step's Karmarkar-Karp partition into equal-count groups."""
+    from slime.backends.megatron.batching import balanced_partition
+
     size = len(samples) // steps
     if size % world_size:
         raise ConfigError(f"{size} samples per optimizer step cannot be split over {world_size} data-parallel "
                           "ranks; make global_batch_size (or the rollout size / num_steps_per_rollout) a multiple "
                           "of the number of train actors")
-    return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
+    if workloads is None:
+        return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
+    return [[samples[k * size + i] for i in balanced_partition(workloads[k * size:(k + 1) * size], world_size)[rank]]
+            for k in range(steps)]
+
+
+def subsample_rollout(samples: list[Any], ratio: float, group_size: int) -> list[Any]:
+    """slime's --load-debug-rollout-data-subsample: about `ratio` of the rows, the first half and the last
+    half of them; here in whole groups of `group_size`, which group reward normalisation needs."""
+    groups = len(samples) // group_size
+    keep = int(groups * ratio)
+    if keep == 0:
+        raise DataFormatError(f"load_debug_rollout_data_subsample {ratio} keeps no group of the {groups} stored")
+    head, tail = keep // 2, keep - keep // 2
+    return samples[:head * group_size] + samples[len(samples) - tail * group_size:]
+
+
+def apply_train_data(samples: list[Any], data: Any, source: str) -> tuple[list[float], list[float]]:
+    """Write slime's `train_data` dict (what its samples-to-train-data conversion returns) back onto the samples
+    the trainer reads; (raw rewards, rewards). `rewards` is required; `raw_reward` defaults to it."""
+    if not isinstance(data, dict) or "rewards" not in data:
+        raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: must return slime's train_data "
+                              f"dict with at least 'rewards', got {type(data).__name__}"
+                              f"{' with keys ' + str(sorted(data)) if isinstance(data, dict) else ''}")
+    for key in ("rewards", "raw_reward", "tokens", "response_lengths", "loss_masks", "rollout_log_probs"):
+        if key in data and len(data[key]) != len(samples):
+            raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: train_data[{key!r}] has "
+                                  f"{len(data[key])} entries for {len(samples)} samples")
+    for i, sample in enumerate(samples):
+        if "tokens" in data:
+            sample.tokens = [int(t) for t in data["tokens"][i]]
+        if "response_lengths" in data:
+            sample.response_length = int(data["response_lengths"][i])
+        if "loss_masks" in data:
+            sample.loss_mask = [int(v) for v in data["loss_masks"][i]]
+        if "rollout_log_probs" in data:
+            sample.rollout_log_probs = [float(v) for v in data["rollout_log_probs"][i]]
+        if sample.loss_mask is not None and len(sample.loss_mask) != sample.response_length:
+            raise DataFormatError(f"custom_convert_samples_to_train_data_path {source}: sample {i} has a loss mask "
+                                  f"of {len(sample.loss_mask)} for response length {sample.response_length}")
+    rewards = [float(r) for r in data["rewards"]]
+    return [float(r) for r in data.get("raw_reward", rewards)], rewards
+
+
+def named_params(models: list[Any]) -> dict[str, Any]:
+    """The parameters of model chunks by `chunk.name`, without wrapper prefixes (DDP, Float16Module:
+    `module.`), so an unwrapped copy of the model has the same names."""
+    out = {}
+    for chunk, model in enumerate(models):
+        for name, param in model.named_parameters():
+            while name.startswith("module."):
+                name = name[len("module."):]
+            out[f"{chunk}.{name}"] = param
+    return out
+
+
+def copy_weights(source: list[Any] | dict[str, Any], target: list[Any]) -> None:
+    """Copy the parameters of model chunks `source` (or a `snapshot` of them) into `target`."""
+    import torch
+
+    src = source if isinstance(source, dict) else named_params(source)
+    dst = named_params(target)
+    if src.keys() != dst.keys():
+        raise ConfigError(f"cannot copy weights between different models: {sorted(src.keys() ^ dst.keys())[:3]}")
+    with torch.no_grad():
+        for name, param in dst.items():
+            param.copy_(src[name])
+
+
+def snapshot(models: list[Any]) -> dict[str, Any]:
+    """A CPU copy of the models' parameters (slime keeps its model copies on the host as well)."""
+    return {name: param.detach().to("cpu", copy=True) for name, param in named_params(models).items()}
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -93,6 +168,10 @@ class TrainActor:
         self.lora_spec: Any = None  # slime.backends.megatron.lora.LoraSpec when lora_rank > 0
         self.lora_reference: Any = None  # starting adapters of the reference, None: the base alone
         self.lora_kl = False  # the reference is computed in self.models (no ref_models)
+        self.profiler: Any = None  # slime.backends.megatron.profile.TrainProfiler, made by init
+        # --keep-old-actor: CPU copies of the weights the engines generate with (old) and were last given (rollout)
+        self.old_weights: dict[str, Any] | None = None
+        self.rollout_weights: dict[str, Any] | None = None
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -113,7 +192,7 @@ class TrainActor:
         from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.lora import LoraSpec, lora_callback
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
-        from slime.convert import megatron_dtype
+        from slime.convert import megatron_dtype, vocab_padding
 
         c = self.config
         c.require("checkpoint.hf_checkpoint", stage=STAGE)
@@ -128,9 +207,12 @@ class TrainActor:
                       timeout_minutes=c.cluster.distributed_timeout_minutes)
         if self.hooks.init is not None:
             self.hooks.init(c.as_namespace())
+        from slime.backends.megatron.profile import TrainProfiler
+
+        self.profiler = TrainProfiler(c, self.rank)  # memory history from here, as slime's
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        self.bridge = make_bridge(hf_dir, megatron_dtype(c))
+        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir))
         self.lora_spec = LoraSpec.from_config(c)
         self.models = build_model(self.bridge, wrap_with_ddp=True,
                                   use_distributed_optimizer=c.train.use_distributed_optimizer,
@@ -143,6 +225,11 @@ class TrainActor:
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
+        if c.algorithm.keep_old_actor:  # slime: the old actor starts as the loaded policy
+            self.old_weights = snapshot(self.models)
+            if c.sync.update_weights_interval == 1:
+                self.rollout_weights = self.old_weights
+        self.profiler.on_init_end()
         return start
 
     def _load_lora_weights(self) -> int:
@@ -260,25 +347,37 @@ class TrainActor:
         samples = read_samples(uri, c.run.storage_options or None)
         if not samples:
             raise DataFormatError(f"{uri}: the rollout shard set holds no samples")
-        raw, rewards = self._rewards(samples, uri)
+        if c.run.load_debug_rollout_data and c.run.load_debug_rollout_data_subsample:
+            samples = subsample_rollout(samples, c.run.load_debug_rollout_data_subsample,
+                                        c.rollout.n_samples_per_prompt)
+        raw, rewards = self._train_inputs(samples, uri)
         for sample, reward in zip(samples, rewards, strict=True):
             sample.metadata["normalized_reward"] = reward
         steps = steps_per_rollout(c, len(samples))
-        shares = rank_share(samples, steps, self.rank, self.world_size)
+        workloads = None
+        if c.train.balance_data:
+            workloads = [self._flops(len(s.tokens)) for s in samples]
+        shares = rank_share(samples, steps, self.rank, self.world_size, workloads)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
         arrays, stats = self._arrays(rollout_id, mine)
         t2 = time.monotonic()
         settings = StepSettings.from_config(c)
+        if c.train.balance_by_flops:  # slime: micro-batches of even estimated FLOPs
+            settings.workload = self._flops
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
-        for step_id, share in enumerate(shares):
+        for step_id, share in self.profiler.iterate("train_actor", enumerate(shares)):
             part = _slice_arrays(arrays, start, start + len(share))
             start += len(share)
             if self.hooks.before_train_step is not None:
                 self.hooks.before_train_step(c.as_namespace(), rollout_id, step_id, self.models, self.optimizer,
                                              self.scheduler)
+            if c.train.use_stateless_adam:  # slime's StatelessAdam: each step's moments start from zero
+                from slime.backends.megatron.optimizer import reset_optimizer_states
+
+                reset_optimizer_states(self.optimizer)
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
@@ -287,7 +386,13 @@ class TrainActor:
 
             reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
+        self.profiler.step(rollout_id)
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
+        interval = c.algorithm.ref_update_interval
+        if interval and self.ref_models and (rollout_id + 1) % interval == 0:  # slime: the reference := the actor
+            copy_weights(self.models, self.ref_models)
+            metrics["train/ref_updated"] = 1.0
+            logger.info("rank %d rollout %d: reference model updated from the actor", self.rank, rollout_id)
         metrics.update(stats)
         self._ci_checks(rollout_id, rows, metrics)
         if self.lora_spec is not None:
@@ -319,6 +424,21 @@ class TrainActor:
             save_grad_norms(run.ci_save_grad_norm, rollout_id, grad_norms)
         elif run.ci_load_grad_norm:
             check_grad_norms(run.ci_load_grad_norm, rollout_id, grad_norms)
+
+    def _train_inputs(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
+        """(raw, trained) rewards of the batch: slime's --custom-convert-samples-to-train-data-path hook when set
+        (`fn(args, samples) -> train_data`, slime's dict; what it returns replaces the samples' tokens, response
+        lengths, loss masks and rollout log-probs where given, and its `rewards` are trained on as they are),
+        else the group-normalised rewards."""
+        path = self.config.reward.custom_convert_samples_to_train_data_path
+        if not path:
+            return self._rewards(samples, uri)
+        from slime.plugins import load_plugin_field
+
+        convert = load_plugin_field(self.config.as_namespace(), "custom_convert_samples_to_train_data_path",
+                                    ["args", "samples"], is_async=False)
+        data = convert(self.config.as_namespace(), samples)
+        return apply_train_data(samples, data, path)
 
     def _rewards(self, samples: list[Any], uri: str) -> tuple[list[float], list[float]]:
         """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
@@ -353,13 +473,24 @@ class TrainActor:
         from slime.backends.megatron.whiten import whiten_over_dp
 
         c, a, t = self.config, self.config.algorithm, self.config.train
+        if a.disable_compute_advantages_and_returns:  # slime: the samples carry their advantages
+            return TrainArrays(), {}
         batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
-                        pad_token_id=self.tokenizer.pad_token_id or 0)
+                        pad_token_id=self.tokenizer.pad_token_id or 0, pad_multiple=t.data_pad_size_multiplier,
+                        chunk_size=t.log_probs_chunk_size,
+                        profile=lambda items: self.profiler.iterate("train_log_probs", items),
+                        workload=self._flops if t.balance_by_flops else None)
         if self.hooks.before_log_prob is not None:
             self.hooks.before_log_prob(c.as_namespace(), self.models, "")
+        current = None
+        if self.old_weights is not None:  # slime's --keep-old-actor: old log-probs under the rollout's weights
+            current = snapshot(self.models)
+            copy_weights(self.old_weights, self.models)
         actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+        if current is not None:
+            copy_weights(current, self.models)
         old = actor.log_probs
         ref = None
         if self.ref_models:
@@ -423,7 +554,38 @@ class TrainActor:
             stats["rollout/kl"] = float(sums[2]) / tokens
         if actor.entropies is not None:
             stats["rollout/entropy"] = float(sums[6]) / tokens
+        if c.run.log_correct_samples:
+            stats.update(self._correct_sample_stats(mine, old))
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _flops(self, length: int) -> float:
+        """Estimated forward FLOPs of a sequence of `length` tokens under this model."""
+        from slime.backends.megatron.batching import forward_flops
+
+        return forward_flops(length, self.bridge.hf_config)
+
+    def _correct_sample_stats(self, mine: list[Any], old: list[Any]) -> dict[str, float]:
+        """slime's --log-correct-samples over all ranks: of the responses with raw reward 1, the share in each
+        quarter of rollout_max_response_len (correct_length/p25 ... p100) and their mean per-sample mean
+        -log-prob of the response (correct_entropy, slime's name)."""
+        import torch
+
+        args = self.config.as_namespace()
+        limit = self.config.rollout.rollout_max_response_len or max(s.response_length for s in mine)
+        sums = torch.zeros(6, dtype=torch.float64)  # 4 quarters, correct samples, their mean -log-prob
+        for sample, logp in zip(mine, old, strict=True):
+            if float(sample.get_reward_value(args)) != 1:
+                continue
+            quarter = next(q for q in range(4) if sample.response_length <= limit * (q + 1) / 4 or q == 3)
+            sums[quarter] += 1
+            sums[4] += 1
+            m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
+            sums[5] += float(-logp[m].sum()) / max(int(m.sum()), 1)
+        _all_reduce(sums)
+        total = float(sums[4]) + 1e-9
+        out = {f"rollout/correct_length/p{25 * (q + 1)}": float(sums[q]) / total for q in range(4)}
+        out["rollout/correct_entropy"] = float(sums[5]) / total if sums[4] else 0.0
+        return out
 
     def _rollout_data(self, mine: list[Any], old: list[Any], ref: list[Any] | None, kl: list[Any]) -> dict[str, Any]:
         """This rank's samples as slime's `rollout_data` lists (what its advantage/post-process hooks get)."""
@@ -499,6 +661,7 @@ class TrainActor:
         if self.rank != 0:
             for _ in weights():
                 pass
+            self.keep_old_weights_after_sync()
             return {}
         if self.syncer is None:
             import ray
@@ -511,13 +674,27 @@ class TrainActor:
                                        master_address=ray.util.get_node_ip_address(),
                                        post_write=post_write_hook(self.config.as_namespace()))
         result = self._loop.run_until_complete(self.syncer.sync(urls, weights, weight_version))
+        self.keep_old_weights_after_sync()
         return {**result.metrics(), "sync/weight_version": result.weight_version}
+
+    def keep_old_weights_after_sync(self) -> None:
+        """--keep-old-actor after the engines got the current weights, as slime: with update_weights_interval 1
+        a queue (old := the weights synced before, rollout := now: one-step-off generation trains on rollouts
+        of the previous weights), else old := now."""
+        if self.old_weights is None:
+            return
+        if self.config.sync.update_weights_interval == 1:
+            self.old_weights, self.rollout_weights = self.rollout_weights, snapshot(self.models)
+        else:
+            self.old_weights = snapshot(self.models)
 
     def close(self) -> None:
         """Release what the weight syncer holds between syncs (its process group); idempotent."""
         if self.syncer is not None:
             self._loop.run_until_complete(self.syncer.close())
             self.syncer = None
+        if self.profiler is not None:
+            self.profiler.close()
 
 
 def _peak_memory_bytes() -> float:

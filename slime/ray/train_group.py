@@ -27,17 +27,22 @@ class TrainGroup:
     """`world_size` train actors placed on the placement's train bundles (default: all of them)."""
 
     def __init__(self, config: Config, placement: Placement, world_size: int | None = None) -> None:
-        import ray
-
         self.world_size = world_size or len(placement.plan.train_bundles)
         if self.world_size > len(placement.plan.train_bundles):
             raise TrainGroupError(f"{self.world_size} train ranks asked for, the placement has "
                                   f"{len(placement.plan.train_bundles)} train bundles")
+        self.config, self.placement = config, placement
+        self.actors = self._spawn()
+
+    def _spawn(self) -> list[Any]:
+        import ray
+
+        config, placement = self.config, self.placement
         remote = ray.remote(TrainActor)
         payload = config.model_dump(mode="json")
         env = {"runtime_env": {"env_vars": dict(config.train.train_env_vars)}} if config.train.train_env_vars else {}
-        self.actors = [remote.options(**placement.train_options(rank), **env).remote(payload, rank, self.world_size)
-                       for rank in range(self.world_size)]
+        return [remote.options(**placement.train_options(rank), **env).remote(payload, rank, self.world_size)
+                for rank in range(self.world_size)]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank; the first rank to fail raises at once (the others may be
@@ -85,6 +90,24 @@ class TrainGroup:
     def update_weights(self, urls: list[str], weight_version: int | str) -> dict[str, Any]:
         """Sync the weights into the engines at `urls` (see `TrainActor.update_weights`); the metrics."""
         return self._all("update_weights", urls, weight_version)[0]
+
+    @property
+    def released(self) -> bool:
+        return not self.actors
+
+    def release(self) -> None:
+        """slime's --release-train: end the rank processes (their memory with them) until `recreate`."""
+        self.shutdown()
+        logger.info("train group released")
+
+    def recreate(self, rollout_id: int) -> None:
+        """New ranks after `release`, resumed from the newest committed checkpoint under `save`, which must be
+        rollout `rollout_id - 1`'s (saved every rollout with --release-train)."""
+        self.actors = self._spawn()
+        start = self.init()
+        if start != rollout_id:
+            raise TrainGroupError(f"release_train: the recreated train ranks resume at rollout {start}, not "
+                                  f"{rollout_id}: checkpoint {rollout_id - 1} is not the newest under save")
 
     def shutdown(self) -> None:
         """Close the weight syncer, then kill the actors (their processes end with them)."""

@@ -58,9 +58,13 @@ def _offloads(config: Config) -> tuple[bool, bool]:
 
 def check_rl_config(config: Config) -> None:
     """Everything the loop needs, checked before any process starts."""
-    if config.run.debug_train_only:  # slime's debug mode: stored rollouts, no engines, so no prompts either
+    # no prompt data: slime's debug mode trains on stored rollouts; without the global dataset the rollout
+    # function makes the prompts (and there is no data size to count rollouts from)
+    if config.run.debug_train_only or config.data.disable_rollout_global_dataset:
         config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "rollout.num_rollout",
                        stage=STAGE)
+    elif config.data.data_source_path != type(config.data).model_fields["data_source_path"].default:
+        config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", stage=STAGE)
     else:
         config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
                        stage=STAGE)
@@ -162,9 +166,12 @@ class RLLoop:
         if not c.run.debug_rollout_only:  # slime's --debug-rollout-only: no trainer
             self.train_group = TrainGroup(c, self.placement)
             self.start_rollout_id = self.train_group.init()
+        resumed = self.start_rollout_id
+        if c.data.start_rollout_id is not None:  # slime's --start-rollout-id: replaces the resumed checkpoint's
+            self.start_rollout_id = c.data.start_rollout_id
         extra: dict[str, Any] = {}
         if self.start_rollout_id > 0:
-            extra = self.train_group.extra_state()
+            extra = self.train_group.extra_state() if self.train_group is not None else {}
             if "data_source" in extra and self.manager is not None:
                 ray.get(self.manager.load_data_source_state.remote(extra["data_source"]))
             else:
@@ -173,13 +180,22 @@ class RLLoop:
         # this run's own checkpoint (not another run's, given as --load) whose step died between its save and
         # its metrics line: finish that step below
         own = bool(c.checkpoint.save) and latest_checkpoint(c.checkpoint.save) is not None
-        tail = self.start_rollout_id - 1 if own and self.start_rollout_id > 0 and self.start_rollout_id - 1 not in \
-            read_metrics(self.metrics_uri, self.store.storage_options) else None
+        tail = self.start_rollout_id - 1 if own and self.start_rollout_id == resumed > 0 and \
+            self.start_rollout_id - 1 not in read_metrics(self.metrics_uri, self.store.storage_options) else None
         moved = set_aside_stale_steps(self.store, c.run.run_id, self.start_rollout_id,  # outputs to redo
                                       redo_start_eval=tail is not None)
         debug = c.run.debug_rollout_only or c.run.debug_train_only  # one side only: nothing to sync
+        check = c.run.check_weight_update_equal and not debug
+        if check:  # slime: engines snapshot their (HF) weights and zero them; the first sync must restore them
+            for action in ("snapshot", "reset_tensors"):
+                ray.get(self.manager.check_weights.remote(action))
         sync = {} if debug else self._update_weights(self.start_rollout_id)  # engines start from HF: align them
-        if self.offload_train and self.train_group is not None:
+        if check:
+            ray.get(self.manager.check_weights.remote("compare"))
+            logger.info("--check-weight-update-equal: every engine's weights equal their snapshot after the sync")
+        if c.cluster.release_train and self.train_group is not None:  # slime: no train ranks during rollouts
+            self.train_group.release()
+        elif self.offload_train and self.train_group is not None:
             self.train_group.offload()
         if self.fully_async:  # generation starts now, on the synced weights, with what the checkpoint held
             ray.get(self.manager.start_fully_async.remote(self.weight_version, self.start_rollout_id,
@@ -285,7 +301,9 @@ class RLLoop:
         """Train on the shard set `uri`; the train group's global metrics."""
         if self.train_group is None:  # --debug-rollout-only
             return {"rollout_id": rollout_id, "trained": False}
-        if self.offload_train:
+        if self.train_group.released:  # --release-train: new ranks from the last rollout's checkpoint
+            self.train_group.recreate(rollout_id)
+        elif self.offload_train:
             self.train_group.onload()
         metrics = self.train_group.train(rollout_id, uri)
         self._step(rollout_id).update(metrics)
@@ -324,7 +342,9 @@ class RLLoop:
                 self._ready[nxt] = ray.get(generate)
                 metrics["perf/wait_inflight_rollout_s"] = time.monotonic() - t0
             metrics.update(self._update_weights(nxt))
-        if self.offload_train and self.train_group is not None:
+        if self.config.cluster.release_train and self.train_group is not None:  # slime: ranks gone until train
+            self.train_group.release()
+        elif self.offload_train and self.train_group is not None:
             self.train_group.offload()
         metrics["weight_version"] = self.weight_version
         self._step(rollout_id).update(metrics)
@@ -373,8 +393,8 @@ class RLLoop:
         if self.train_group is None:  # --debug-rollout-only: nothing trained
             return False
         ck = self.config.checkpoint
-        return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout)
-                                  or rollout_id + 1 == self.num_rollout)
+        return bool(ck.save) and (_due(rollout_id, ck.save_interval, self.num_rollout) or rollout_id + 1 == self.num_rollout
+                                  or self.config.cluster.release_train)  # the recreated ranks resume from it
 
     @unwrap_signal_errors
     def maybe_save(self, rollout_id: int) -> dict[str, Any]:

@@ -362,3 +362,80 @@ def test_from_config_needs_prompt_data():
 def test_empty_prompts_rejected():
     with pytest.raises(ConfigError, match="at least one prompt"):
         RolloutDataSource([])
+
+
+SLIME_SOURCE = '''
+from slime.types import Sample
+
+
+class Counting:
+    """A data source written to slime's DataSource interface: cls(args), get_samples(num_samples)."""
+
+    def __init__(self, args):
+        self.n, self.next = args.n_samples_per_prompt, 0
+        self.added = []
+
+    def get_samples(self, num_samples):
+        groups = []
+        for _ in range(num_samples):
+            groups.append([Sample(prompt=f"q{self.next}", index=self.next * self.n + i) for i in range(self.n)])
+            self.next += 1
+        return groups
+
+    def add_samples(self, samples):
+        self.added.extend(samples)
+
+    def __len__(self):
+        return 100
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+'''
+
+
+def test_data_source_path_builds_a_slime_data_source_class(make_module):
+    from slime.config import load_config
+    from slime.data.source import CustomDataSource, make_data_source
+
+    module = make_module(SLIME_SOURCE)
+    config = load_config(None, ["--data-source-path", f"{module}.Counting", "--n-samples-per-prompt", "2"])
+    source = make_data_source(config)
+    assert isinstance(source, CustomDataSource) and len(source) == 100
+    groups = source.get_samples(2, rollout_id=0)  # this project's call; slime's class takes only the count
+    assert [[s.prompt for s in g] for g in groups] == [["q0", "q0"], ["q1", "q1"]]
+    state = json.loads(json.dumps(source.state_dict()))
+    assert state["num_prompts"] == 100 and state["state"] == {"next": 2}
+    source.get_samples(3)
+    source.load_state_dict(state)
+    assert source.get_samples(1)[0][0].prompt == "q2"  # resumed at the saved cursor
+    source.add_samples(groups)
+    assert source.inner.added == groups
+
+
+def test_data_source_path_checks_the_interface(make_module):
+    from slime.config import load_config
+    from slime.data.source import make_data_source
+    from slime.plugins import PluginError
+
+    module = make_module("class Half:\n    def __init__(self, args):\n        pass\n\n"
+                         "    def get_samples(self, n):\n        return [[1]]\n")
+    with pytest.raises(PluginError, match=r"lacks \['add_samples', '__len__'\]"):
+        make_data_source(load_config(None, ["--data-source-path", f"{module}.Half"]))
+
+
+def test_without_the_global_dataset_groups_are_empty_samples():
+    from slime.config import load_config
+    from slime.data.source import make_data_source
+
+    config = load_config(None, ["--disable-rollout-global-dataset", "--rollout-function-path", "m.rollout",
+                                "--n-samples-per-prompt", "2"])
+    source = make_data_source(config)
+    groups = source.get_samples(2)
+    assert [[(s.prompt, s.group_index, s.index) for s in g] for g in groups] == \
+        [[("", 0, 0), ("", 0, 1)], [("", 1, 2), ("", 1, 3)]]
+    assert len(source) == 0 and source.state_dict()["sample_index"] == 4
+    with pytest.raises(ConfigError, match="default rollout draws prompts from the global dataset"):
+        load_config(None, ["--disable-rollout-global-dataset"])

@@ -115,3 +115,27 @@ def test_distributed_update_over_gloo(updater):
     with pytest.raises(BadRequestError, match="already exists"):
         updater.init_group(body)
     assert "destroyed" in updater.destroy_group(GROUP_NAME) and not updater.groups
+
+
+def test_weights_checker_snapshot_reset_compare(tiny_kit):
+    """SGLang's /weights_checker actions (slime's --check-weight-update-equal): after a reset only an update
+    that writes every tensor back passes the comparison."""
+    from slime.engines.builtin.weights import WeightChecker
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
+    checker = WeightChecker(model)
+    with pytest.raises(BadRequestError, match="no snapshot taken"):
+        checker.run("compare")
+    original = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    assert checker.run("snapshot").startswith("snapshot of")
+    assert checker.run("compare").startswith("all ")
+    checker.run("reset_tensors")
+    assert not any(t.any() for t in model.state_dict().values())
+    partial = {k: v for k, v in original.items() if k != "model.norm.weight"}
+    checker.targets.copy_in(list(partial.items()))
+    with pytest.raises(BadRequestError, match=r"1 of \d+ tensors differ from the snapshot: \['model.norm.weight'\]"):
+        checker.run("compare")
+    checker.targets.copy_in(list(original.items()))
+    assert checker.run("compare").startswith("all ")
+    with pytest.raises(BadRequestError, match="unknown action 'checksum'"):
+        checker.run("checksum")

@@ -56,6 +56,16 @@ def test_rollout_only_then_train_only_on_the_stored_rollouts(tiny_kit, tmp_path)
         assert not any(k.startswith("eval/") or k.startswith("sync/") for k in step)
     assert trained["last_checkpoint"] is not None  # saved at the end, as any RL run
 
+    # slime's --start-rollout-id and --load-debug-rollout-data-subsample: only rollout 1, on half its groups
+    part = trainer.model_copy(deep=True)
+    part.run.run_id, part.checkpoint.save = "part", str(tmp_path / "part-ckpt")
+    part.data.start_rollout_id, part.run.load_debug_rollout_data_subsample = 1, 0.5
+    part.train.global_batch_size = ROLLOUT_BATCH * GROUP // 2
+    partial = run_rl(part, num_cpus=4, num_gpus=0)
+    steps = read_metrics(partial["metrics_uri"])
+    assert partial["start_rollout_id"] == 1 and sorted(steps) == [1]
+    assert steps[1]["train/samples"] == ROLLOUT_BATCH * GROUP // 2
+
     missing = trainer.model_copy(deep=True)
     missing.run.run_id, missing.rollout.num_rollout = "missing", 3
     missing.checkpoint.save = str(tmp_path / "missing-ckpt")

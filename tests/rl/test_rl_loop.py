@@ -61,7 +61,8 @@ def versions(config, rollout_id: int) -> set[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def full_run(tiny_kit, root, ray_cluster):
-    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2})
+    # check_weight_update_equal: engines zero their weights before the first sync, which must restore them
+    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2}, run={"check_weight_update_equal": True})
     return config, run_rl(config)
 
 
@@ -234,3 +235,16 @@ def test_sigterm_after_a_checkpoint_stops_everything_and_the_rerun_resumes(tiny_
     result = run_rl(config)
     assert result["start_rollout_id"] == 2 and len(result["steps"]) == 1
     assert rollout_rows(config, 2) == rollout_rows(full_config, 2)
+
+
+@pytest.mark.slow
+def test_release_train_recreates_the_ranks_from_each_rollouts_checkpoint(tiny_kit, root, ray_cluster):
+    config = loop_config(tiny_kit, root, "release", ranks=1, engines=1, cluster={"release_train": True})
+    config.rollout.num_rollout, config.checkpoint.save_interval = 2, None
+    result = run_rl(config)
+    steps = read_metrics(result["metrics_uri"])
+    assert sorted(steps) == [0, 1] and all(step["train/grad_norm"] > 0 for step in steps.values())
+    # saved at every rollout (save_interval unset saves only the last otherwise): the new ranks resumed from it
+    from slime.backends.megatron.checkpoint import iteration_dir
+
+    assert [read_training_state(iteration_dir(config.checkpoint.save, i)).iteration for i in (0, 1)] == [0, 1]

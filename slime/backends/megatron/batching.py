@@ -11,6 +11,10 @@ normalisation does not depend on the partition, so any packing gives the same up
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
+from typing import Any
+
 from slime.errors import ConfigError
 
 
@@ -43,10 +47,62 @@ def dynamic_micro_batches(lengths: list[int], max_tokens_per_gpu: int) -> list[l
 
 
 def micro_batches(lengths: list[int], *, micro_batch_size: int, use_dynamic_batch_size: bool = False,
-                  max_tokens_per_gpu: int | None = None) -> list[list[int]]:
-    """The micro-batch partition the train step and forward-only passes use (indices into the samples)."""
+                  max_tokens_per_gpu: int | None = None,
+                  workload: Callable[[int], float] | None = None) -> list[list[int]]:
+    """The micro-batch partition the train step and forward-only passes use (indices into the samples).
+
+    With `workload` (slime's --balance-by-flops: a sequence length's estimated cost) the dynamic path makes
+    ceil(total tokens / max_tokens_per_gpu) micro-batches of even cost by Karmarkar-Karp instead of
+    first-fit; as in slime, a micro-batch may then pass the token limit."""
     if use_dynamic_batch_size:
         if max_tokens_per_gpu is None:
             raise ConfigError("train.use_dynamic_batch_size needs train.max_tokens_per_gpu (tokens per micro-batch)")
+        if workload is not None:
+            count = max(1, -(-sum(lengths) // max_tokens_per_gpu))
+            if count >= len(lengths):
+                return [[i] for i in range(len(lengths))]
+            return balanced_partition([workload(n) for n in lengths], count, equal_size=False)
         return dynamic_micro_batches(lengths, max_tokens_per_gpu)
     return fixed_micro_batches(len(lengths), micro_batch_size)
+
+
+def forward_flops(length: int, hf_config: Any) -> float:
+    """Estimated forward FLOPs of one sequence of `length` tokens under a dense decoder (`hf_config`'s
+    shape): per layer 2·L·(attention and MLP weights) plus 4·L²·hidden for the scores and their
+    weighted sum, then the output layer. slime's balance estimate (`calculate_fwd_flops`) has the same
+    terms; the constant factors cancel in a partition."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    mlp = getattr(hf_config, "intermediate_size", None) or 4 * hidden
+    weights = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp  # q, o, k, v; gated MLP
+    per_layer = 2 * length * weights + 4 * length * length * hidden
+    return float(hf_config.num_hidden_layers * per_layer + 2 * length * hidden * hf_config.vocab_size)
+
+
+def balanced_partition(workloads: list[float], parts: int, equal_size: bool = True) -> list[list[int]]:
+    """Indices of `workloads` in `parts` groups whose sums are as even as Karmarkar-Karp's largest
+    differencing method makes them (slime's --balance-data and --balance-by-flops partitions); with
+    `equal_size` every group has the same count (`len(workloads)` must be a multiple of `parts`). Each group
+    is returned in ascending index order.
+
+    Partial partitions start as the sorted items taken `parts` at a time, one item per group (equal sizes),
+    or one item each beside empty groups; the two partial partitions with the largest spread (max sum - min
+    sum) are merged repeatedly, pairing the heaviest group of one with the lightest of the other."""
+    if parts < 1 or (equal_size and len(workloads) % parts):
+        raise ConfigError(f"cannot split {len(workloads)} samples into {parts} equal groups")
+    order = sorted(range(len(workloads)), key=lambda i: (workloads[i], i))
+    step = parts if equal_size else 1
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    for start in range(0, len(order), step):
+        items = [(workloads[i], [i]) for i in order[start:start + step]]
+        groups = sorted(items + [(0.0, [])] * (parts - len(items)), key=lambda g: -g[0])
+        heapq.heappush(heap, (-(groups[0][0] - groups[-1][0]), start, groups))
+    while len(heap) > 1:
+        _, tie, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((a[j][0] + b[parts - 1 - j][0], a[j][1] + b[parts - 1 - j][1]) for j in range(parts)),
+                        key=lambda g: -g[0])
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+    return [sorted(members) for _, members in heap[0][2]] if heap else [[] for _ in range(parts)]

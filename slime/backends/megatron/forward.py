@@ -8,7 +8,7 @@ Pipeline parallelism > 1 is refused for now: the per-sample outputs live on the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,9 +25,10 @@ def check_single_stage() -> None:
 
 
 def forward_only(models: list[torch.nn.Module], micro_batches: list[Any],
-                 forward: Callable[[torch.nn.Module, Any], Any]) -> list[Any]:
+                 forward: Callable[[torch.nn.Module, Any], Any],
+                 wrap: Callable[[Iterator[Any]], Iterator[Any]] | None = None) -> list[Any]:
     """`forward(model, micro_batch)` for every micro-batch in eval mode without autograd; the results
-    in micro-batch order."""
+    in micro-batch order. `wrap` wraps the micro-batch iterator the schedule draws from (a profiler)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_single_stage()
@@ -42,7 +43,8 @@ def forward_only(models: list[torch.nn.Module], micro_batches: list[Any],
     for model in models:
         model.eval()
     with torch.no_grad():
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iter(micro_batches), model=models,
+        get_forward_backward_func()(forward_step_func=step, data_iterator=wrap(iter(micro_batches)) if wrap
+                                    else iter(micro_batches), model=models,
                                     num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1,
                                     forward_only=True)
     return results

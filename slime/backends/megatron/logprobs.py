@@ -11,7 +11,9 @@ Megatron pads the vocabulary (to a multiple of 128); the padded entries are not 
 cut off before the softmax; otherwise they would take probability mass and the log-probs would
 differ from the HF model's and the engine's. Temperature divides the logits as in sampling.
 With tensor parallelism the logits are vocab-sharded; each rank scores with all-reduced sums over the
-tensor-parallel group (`_vocab_parallel_scores`).
+tensor-parallel group (`_vocab_parallel_scores`). With `chunk_size` > 0 (slime's --log-probs-chunk-size)
+the response positions are scored `chunk_size` at a time, so the softmax over the vocabulary never
+holds more than `[B, chunk_size, V]` at once; the values do not change.
 
 `compute_log_probs` runs this forward-only over micro-batches (fixed size or packed by tokens) for the
 reference model, the old policy and tests, and returns one response-aligned tensor per sample.
@@ -19,7 +21,9 @@ reference model, the old policy and tests, and returns one response-aligned tens
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,9 +47,12 @@ class PaddedBatch:
         return int(self.response_lengths.max()) if len(self.response_lengths) else 0
 
 
-def pad_samples(samples: list[Sample], pad_token_id: int = 0, device: str | torch.device = "cpu") -> PaddedBatch:
-    """Right-pad the samples' `tokens`; every sample needs a prompt of at least one token."""
-    width = max(len(s.tokens) for s in samples)
+def pad_samples(samples: list[Sample], pad_token_id: int = 0, device: str | torch.device = "cpu",
+                multiple: int = 1) -> PaddedBatch:
+    """Right-pad the samples' `tokens` to the longest, rounded up to a multiple of `multiple` (slime's
+    --data-pad-size-multiplier: kernels and sequence parallelism want round lengths); every sample needs a
+    prompt of at least one token."""
+    width = -(-max(len(s.tokens) for s in samples) // multiple) * multiple
     tokens = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
     for row, sample in enumerate(samples):
         if len(sample.tokens) - sample.response_length < 1:
@@ -71,29 +78,56 @@ def response_log_probs(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs `[B, R_max]` of the response tokens (0 where masked), the mask, and optionally the
-    entropy `[B, R_max]` of each scoring distribution. Gradients flow when called with grad enabled."""
-    from megatron.core import parallel_state
-
+    entropy `[B, R_max]` of each scoring distribution, computed `chunk_size` response positions at a time
+    (all at once when <= 0). Gradients flow when called with grad enabled."""
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
+    return score_logits(forward_logits(model, batch), batch, vocab_size=vocab_size, temperature=temperature,
+                        with_entropy=with_entropy, chunk_size=chunk_size)
+
+
+def forward_logits(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
+    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch."""
     seq = batch.tokens.shape[1]
     position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
-    logits = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, V_padded]
+    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)
+
+
+def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, temperature: float = 1.0,
+                 with_entropy: bool = False,
+                 chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` from the logits of `forward_logits`: the part the train step may recompute in
+    the backward pass instead of keeping its activations (slime's --recompute-loss-function)."""
+    from megatron.core import parallel_state
+
+    seq = batch.tokens.shape[1]
     positions, mask = response_positions(batch)
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
     # only the scoring positions: [B, R_max, V(_local)], temperature-scaled
     scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        logp, entropy = _vocab_parallel_scores(scoring, targets, vocab_size, with_entropy)
-    else:
-        scoring = scoring[..., :vocab_size]  # the real vocabulary only
-        logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
-        entropy = entropy_from_logits(scoring) if with_entropy else None
+    parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+    width = scoring.shape[1]
+    step = chunk_size if chunk_size > 0 else max(width, 1)
+    pieces = [_scores(scoring[:, i:i + step], targets[:, i:i + step], vocab_size, with_entropy, parallel)
+              for i in range(0, width, step)] or [_scores(scoring, targets, vocab_size, with_entropy, parallel)]
+    logp = torch.cat([p[0] for p in pieces], dim=1)
+    entropy = torch.cat([p[1] for p in pieces], dim=1) if with_entropy else None
     logp = torch.where(mask, logp, 0.0)
     entropy = torch.where(mask, entropy, 0.0) if with_entropy else None
     return logp, mask, entropy
+
+
+def _scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool,
+            parallel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) `[B, r]` of `targets` under the temperature-scaled logits `[B, r, V(_local)]`."""
+    if parallel:
+        return _vocab_parallel_scores(scoring, targets, vocab_size, with_entropy)
+    scoring = scoring[..., :vocab_size]  # the real vocabulary only
+    logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+    return logp, entropy_from_logits(scoring) if with_entropy else None
 
 
 def _vocab_parallel_scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -134,21 +168,25 @@ class SampleLogProbs:
 def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, vocab_size: int,
                       temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
                       use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
-                      pad_token_id: int = 0) -> SampleLogProbs:
-    """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients."""
+                      pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
+                      profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+                      workload: Callable[[int], float] | None = None) -> SampleLogProbs:
+    """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
+    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`)."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
-                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu)
+                          use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
+                          workload=workload)
     device = next(models[0].parameters()).device
 
     def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, tuple]:
-        batch = pad_samples([samples[i] for i in indices], pad_token_id, device)
+        batch = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
         out = response_log_probs(model, batch, vocab_size=vocab_size, temperature=temperature,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, chunk_size=chunk_size)
         return indices, batch, out
 
     log_probs: list[torch.Tensor | None] = [None] * len(samples)
     entropies: list[torch.Tensor | None] = [None] * len(samples)
-    for indices, batch, (logp, _, entropy) in forward_only(models, parts, score):
+    for indices, batch, (logp, _, entropy) in forward_only(models, parts, score, wrap=profile):
         for row, i in enumerate(indices):
             n = int(batch.response_lengths[row])
             log_probs[i] = logp[row, :n].float().cpu()

@@ -77,10 +77,11 @@ def _rows(values: list, width: int, device: torch.device) -> torch.Tensor:
 
 
 def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainArrays, *, pad_token_id: int,
-                      device: torch.device) -> MicroBatch:
-    """The tensors of micro-batch `indices`; arrays must have passed `TrainArrays.check`."""
+                      device: torch.device, pad_multiple: int = 1) -> MicroBatch:
+    """The tensors of micro-batch `indices` (token width a multiple of `pad_multiple`); arrays must have
+    passed `TrainArrays.check`."""
     chunk = [samples[i] for i in indices]
-    batch = pad_samples(chunk, pad_token_id, device)
+    batch = pad_samples(chunk, pad_token_id, device, pad_multiple)
     width = batch.max_response_length
     lengths = [s.response_length for s in chunk]
     loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)

@@ -38,6 +38,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from slime.algorithms.kl import compute_approx_kl
 from slime.algorithms.policy_loss import (
@@ -53,7 +54,7 @@ from slime.algorithms.reduce import sample_mean, token_mean
 from slime.backends.megatron.batching import micro_batches
 from slime.backends.megatron.critic import response_values
 from slime.backends.megatron.forward import check_single_stage
-from slime.backends.megatron.logprobs import response_log_probs
+from slime.backends.megatron.logprobs import forward_logits, response_log_probs, score_logits
 from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
 from slime.errors import ConfigError, DataFormatError
 from slime.plugins import PluginError, load_function, load_plugin_field
@@ -106,6 +107,10 @@ class StepSettings:
     use_opsm: bool = False
     opsm_delta: float = 1e-4
     get_mismatch_metrics: bool = False
+    data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
+    log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
+    recompute_loss_function: bool = False  # score and loss from the logits recomputed in the backward pass
+    workload: Callable[[int], float] | None = None  # --balance-by-flops: a length's cost (batching.micro_batches)
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
     # loss_masks, total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics), on slime's flat layout
     custom_tis: Callable[..., Any] | None = None
@@ -136,7 +141,9 @@ class StepSettings:
                    use_rollout_logprobs=a.use_rollout_logprobs, use_tis=a.use_tis, tis_clip=a.tis_clip,
                    tis_clip_low=a.tis_clip_low, calculate_per_token_loss=a.calculate_per_token_loss,
                    use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
-                   get_mismatch_metrics=a.get_mismatch_metrics)
+                   get_mismatch_metrics=a.get_mismatch_metrics,
+                   data_pad_size_multiplier=t.data_pad_size_multiplier, log_probs_chunk_size=t.log_probs_chunk_size,
+                   recompute_loss_function=t.recompute_loss_function)
 
 
 def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainArrays) -> None:
@@ -274,33 +281,66 @@ def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tu
     """Forward one micro-batch; return its output and the closure the schedule calls for the loss."""
     micro: MicroBatch = next(data_iterator)
     s = step.settings
+    if s.recompute_loss_function and s.loss_type != "value_loss":
+        return _recomputed_forward_step(step, micro, model)
     if s.loss_type == "value_loss":
         output, response_mask = response_values(model, micro.batch)
         entropy = None
     else:
         output, response_mask, entropy = response_log_probs(model, micro.batch, vocab_size=step.vocab_size,
                                                             temperature=s.temperature,
-                                                            with_entropy=s.loss_type == "policy_loss")
+                                                            with_entropy=s.loss_type == "policy_loss",
+                                                            chunk_size=s.log_probs_chunk_size)
         if entropy is not None and not s.entropy_coef:
             entropy = entropy.detach()  # a metric only: keep it out of the graph
     mask = response_mask & micro.loss_mask
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if s.loss_type == "sft_loss":
-            total = step.reduce(sft_loss(output, mask), mask)
-            parts = {"sft_loss": total}
-        elif s.loss_type == "policy_loss":
-            total, parts = _policy_terms(step, micro, output, entropy, mask)
-        else:
-            old = micro.old_values if micro.old_values is not None else output.detach()
-            out = value_loss(output, old, micro.returns, mask, s.value_clip)
-            total = step.reduce(out.loss, mask)
-            parts = {"value_loss": total, "value_clipfrac": step.reduce(out.clipfrac, mask)}
+        total, parts = _loss_terms(step, micro, output, entropy, mask)
         reported = {name: value.detach() for name, value in parts.items()}
         reported["loss"] = total.detach()
         return total * step.scale, reported
 
     return output, loss_func
+
+
+def _loss_terms(step: _Step, micro: MicroBatch, output: torch.Tensor, entropy: torch.Tensor | None,
+                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's total loss and its reduced parts, from its log-probs (or values)."""
+    s = step.settings
+    if s.loss_type == "sft_loss":
+        total = step.reduce(sft_loss(output, mask), mask)
+        return total, {"sft_loss": total}
+    if s.loss_type == "policy_loss":
+        return _policy_terms(step, micro, output, entropy, mask)
+    old = micro.old_values if micro.old_values is not None else output.detach()
+    out = value_loss(output, old, micro.returns, mask, s.value_clip)
+    total = step.reduce(out.loss, mask)
+    return total, {"value_loss": total, "value_clipfrac": step.reduce(out.clipfrac, mask)}
+
+
+def _recomputed_forward_step(step: _Step, micro: MicroBatch, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """slime's --recompute-loss-function: the forward returns the logits, and the loss function scores them
+    under `torch.utils.checkpoint`, so the `[b, R, V]` softmax activations are not kept for the backward
+    pass but recomputed there (same values, less memory, one more scoring pass)."""
+    s = step.settings
+
+    def terms(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp, response_mask, entropy = score_logits(logits, micro.batch, vocab_size=step.vocab_size,
+                                                    temperature=s.temperature,
+                                                    with_entropy=s.loss_type == "policy_loss",
+                                                    chunk_size=s.log_probs_chunk_size)
+        if entropy is not None and not s.entropy_coef:
+            entropy = entropy.detach()
+        return _loss_terms(step, micro, logp, entropy, response_mask & micro.loss_mask)
+
+    def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total, parts = checkpoint(terms, logits, use_reentrant=False)
+        reported = {name: value.detach() for name, value in parts.items()}
+        reported["loss"] = total.detach()
+        return total * step.scale, reported
+
+    return forward_logits(model, micro.batch), loss_func
 
 
 def _global_counts(samples: list[Sample], device: torch.device) -> tuple[int, int]:
@@ -341,9 +381,9 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     device = next(models[0].parameters()).device
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
                           use_dynamic_batch_size=settings.use_dynamic_batch_size,
-                          max_tokens_per_gpu=settings.max_tokens_per_gpu)
-    micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device)
-             for indices in parts]
+                          max_tokens_per_gpu=settings.max_tokens_per_gpu, workload=settings.workload)
+    micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
+                               pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
     num_samples, num_tokens = _global_counts(samples, device)
     step = _Step(settings, vocab_size, num_samples, num_tokens,
                  scale=float(len(micro) * parallel_state.get_data_parallel_world_size()))

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slime import __version__
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
-from slime.engines.builtin.weights import WeightUpdater
+from slime.engines.builtin.weights import WeightChecker, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class BuiltinEngine:
         )
         self.scheduler.weight_version = args.weight_version
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
+        self.checker = WeightChecker(self.model)  # /weights_checker
         self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
         self._rid_prefix, self._rid_counter = uuid.uuid4().hex[:16], itertools.count()
         self.scheduler.start()
@@ -213,6 +214,11 @@ class BuiltinEngine:
         if result["success"]:
             self.model_path = model_path
         return {**result, "num_paused_requests": 0}
+
+    def check_weights(self, action: Any) -> dict[str, Any]:
+        """SGLang's /weights_checker (`weights.WeightChecker`), run between two scheduler steps."""
+        message = self.scheduler.run_command(lambda: self.checker.run(action)).result()
+        return {"success": True, "message": message}
 
     def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         """SGLang's /update_weights_from_tensor (see weights.py for the transport)."""

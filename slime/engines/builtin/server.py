@@ -164,6 +164,11 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         result = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"], body.get("weight_version"))
         return _answer(result)
 
+    @app.post("/weights_checker")
+    async def weights_checker(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        return _answer(await asyncio.to_thread(engine.check_weights, body.get("action", "checksum")))
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         return _answer(await asyncio.to_thread(engine.update_weights_from_tensor, await _json_body(request)))

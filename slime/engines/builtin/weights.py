@@ -136,6 +136,40 @@ class _Group:
     device: torch.device
 
 
+class WeightChecker:
+    """SGLang's /weights_checker actions on the live model, for slime's --check-weight-update-equal:
+    `snapshot` copies every parameter and persistent buffer to the host, `reset_tensors` zeroes them (so a
+    weight update that skips a tensor cannot pass), `compare` requires each to equal its snapshot exactly."""
+
+    ACTIONS = ("snapshot", "reset_tensors", "compare")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.targets = WeightTargets(model)
+        self.snapshot: dict[str, torch.Tensor] | None = None
+
+    def run(self, action: Any) -> str:
+        """Do `action` (call on the model's thread); a failed comparison raises BadRequestError naming tensors."""
+        tensors = self.targets.tensors
+        if action == "snapshot":
+            self.snapshot = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+            return f"snapshot of {len(self.snapshot)} tensors"
+        if action == "reset_tensors":
+            with torch.no_grad():
+                for t in tensors.values():
+                    t.zero_()
+            return f"reset {len(tensors)} tensors to zero"
+        if action == "compare":
+            if self.snapshot is None:
+                raise BadRequestError("weights_checker compare: no snapshot taken (send action 'snapshot' first)")
+            differ = sorted(name for name, t in tensors.items()
+                            if name not in self.snapshot or not torch.equal(t.detach().cpu(), self.snapshot[name]))
+            if differ:
+                raise BadRequestError(f"weights_checker compare: {len(differ)} of {len(tensors)} tensors differ from "
+                                      f"the snapshot: {differ[:5]}")
+            return f"all {len(tensors)} tensors equal the snapshot"
+        raise BadRequestError(f"weights_checker: unknown action {action!r}; actions: {', '.join(self.ACTIONS)}")
+
+
 class WeightUpdater:
     """Applies tensor and distributed weight updates to a live model through `run_on_model_thread`."""
 
