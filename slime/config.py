@@ -442,6 +442,9 @@ class EngineConfig(_Section):
     engine: Literal["builtin", "sglang"] = "builtin"
     sglang_router_ip: str = "127.0.0.1"
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
+    engine_host: str = Field("127.0.0.1", description="address the engine servers bind; 0.0.0.0 (or the node's IP) "
+                                                      "when the router is on another node: engines are then "
+                                                      "registered by their node's IP (docs/ray.md)")
     use_fault_tolerance: bool = Field(False, description="`slime rl`: poll every engine's /health_generate; a dead "
                                                          "engine is restarted, re-synced and re-registered (docs/ray.md)")
     rollout_health_check_interval: float = Field(30.0, gt=0, description="fault tolerance: seconds between two "

@@ -111,7 +111,7 @@ def policy_label(path: str) -> str:
 def eval_settings(config: Config, datasets: list[EvalDatasetConfig]) -> dict[str, Any]:
     """Everything an eval result depends on besides the policy (the eval key is their hash with it)."""
     eval_fields = {k: v for k, v in config.eval.model_dump(mode="json").items() if k not in _NOT_IN_KEY}
-    engine = config.engine.model_dump(mode="json", exclude={"sglang_router_ip", "sglang_router_port"})
+    engine = config.engine.model_dump(mode="json", exclude={"sglang_router_ip", "sglang_router_port", "engine_host"})
     return {
         "datasets": [d.model_dump(mode="json") for d in datasets],
         "eval": eval_fields,
