@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from slime.config import load_config
-from slime.errors import InputNotFoundError
-from slime.preflight import check_inputs, ensure_kit, place_outputs, prepare_run
+from slime.errors import ConfigError, InputNotFoundError
+from slime.preflight import check_inputs, check_local_files, ensure_kit, place_outputs, prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_RECIPE = ROOT / "tests" / "tiny_kit_recipe.yaml"
@@ -87,6 +87,23 @@ def test_remote_inputs_are_left_to_the_stage_and_file_urls_are_checked(tmp_path)
     check_inputs(load_config(None, ["--prompt-data", "s3://bucket/train.jsonl", "--hf-checkpoint", "gs://b/m"]))
     with pytest.raises(InputNotFoundError, match=f"data.prompt_data .*{tmp_path}/p.jsonl does not exist"):
         check_inputs(load_config(None, ["--prompt-data", f"file://{tmp_path}/p.jsonl"]))
+
+
+def test_checkpoints_in_an_object_store_are_refused_before_anything_starts():
+    remote = load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r"])
+    with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/sft/checkpoint is an object-store "
+                                          r"URL.*set checkpoint.save \(--save\) to a local"):
+        check_local_files(place_outputs(remote, "sft"), "sft")
+    check_local_files(place_outputs(remote, "rl"), "rl")  # no save_interval: RL does not save
+    with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/rl/checkpoint"):
+        check_local_files(place_outputs(load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r",
+                                                           "--save-interval", "1"]), "rl"), "rl")
+    with pytest.raises(ConfigError, match=r"export.output_dir \(set at --output-dir\): gs://b/hf .*--output-dir"):
+        check_local_files(load_config(None, ["--output-dir", "gs://b/hf"]), "export")
+    with pytest.raises(ConfigError, match=r"checkpoint.load \(set at --load\): s3://b/ckpt"):
+        check_local_files(load_config(None, ["--load", "s3://b/ckpt"]), "evaluate")
+    local = load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r", "--save", "/local/ckpt"])
+    check_local_files(place_outputs(local, "sft"), "sft")  # a remote store with local checkpoints
 
 
 @pytest.mark.slow
