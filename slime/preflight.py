@@ -103,7 +103,7 @@ def check_local_files(config: Config, stage: str | None) -> None:
     named `s3:`). A remote store keeps shards, manifests, metrics and reports; checkpoints go to a local or
     shared file system (--save, --load, --output-dir) until the store can hold them (docs/storage.md)."""
     used = ["checkpoint.save_hf", "checkpoint.load", "checkpoint.ref_load"]
-    if stage in ("convert", "sft") or (stage == "rl" and config.checkpoint.save_interval):
+    if stage in ("convert", "sft") or (stage == "rl" and not config.run.debug_rollout_only):  # RL saves at its end
         used.append("checkpoint.save")
     if stage == "export":
         used.append("export.output_dir")

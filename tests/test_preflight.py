@@ -94,10 +94,10 @@ def test_checkpoints_in_an_object_store_are_refused_before_anything_starts():
     with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/sft/checkpoint is an object-store "
                                           r"URL.*set checkpoint.save \(--save\) to a local"):
         check_local_files(place_outputs(remote, "sft"), "sft")
-    check_local_files(place_outputs(remote, "rl"), "rl")  # no save_interval: RL does not save
     with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/rl/checkpoint"):
-        check_local_files(place_outputs(load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r",
-                                                           "--save-interval", "1"]), "rl"), "rl")
+        check_local_files(place_outputs(remote, "rl"), "rl")  # RL saves at its last rollout
+    check_local_files(place_outputs(load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r",
+                                                       "--debug-rollout-only"]), "rl"), "rl")  # nothing trained
     with pytest.raises(ConfigError, match=r"export.output_dir \(set at --output-dir\): gs://b/hf .*--output-dir"):
         check_local_files(load_config(None, ["--output-dir", "gs://b/hf"]), "export")
     with pytest.raises(ConfigError, match=r"checkpoint.load \(set at --load\): s3://b/ckpt"):
