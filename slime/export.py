@@ -20,6 +20,7 @@ import torch
 
 from slime.config import Config
 from slime.errors import ConfigError, NotCommittedError
+from slime.preflight import check_local_files
 
 # files of an HF directory that describe the model rather than hold its weights
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -43,6 +44,7 @@ def resolve_checkpoint(load: str) -> str:
 def run_export(config: Config) -> dict[str, Any]:
     """Export `checkpoint.load` to `export.output_dir`; returns the output path and its manifest hash."""
     config.require("checkpoint.load", "export.output_dir", stage="export")
+    check_local_files(config, "export")  # safetensors files: not into s3:// (a flow's output may be there)
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights

@@ -21,6 +21,7 @@ from flows._report import artifact_key
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config
 from slime.errors import NotCommittedError
+from slime.preflight import check_local_files
 from slime.rl import RLLoop, read_metrics
 from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
@@ -133,6 +134,7 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
 
     `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same attempt.
     """
+    check_local_files(with_fields(config, checkpoint__save=output), "rl")  # before anything starts
     phases = start_stage(CACHE, config, inputs, output, resumable=True)
     with phases.time("prepare output"):
         if latest_checkpoint(output) is None:

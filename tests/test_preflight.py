@@ -138,3 +138,18 @@ def test_a_fresh_checkout_runs_the_pipeline_without_make(tmp_path):
     assert not (clone / "runs" / "x" / ".lease.json").exists()  # released
     assert sorted(p.name for p in clone.iterdir()) == ["datasets", "deployments", "runs"]
     assert "exported HF model" in done.stdout
+
+
+def test_stages_refuse_file_outputs_in_an_object_store_as_the_flows_place_them():
+    """The flows set a stage's output to {store}/{run_id}/<stage>/...: on s3:// each stage refuses it first."""
+    from slime.convert import run_convert
+    from slime.export import run_export
+    from slime.sft import run_sft
+
+    out = "s3://bucket/runs/r/stage/checkpoint"
+    with pytest.raises(ConfigError, match=f"checkpoint.save.*{out} is an object-store URL"):
+        run_convert(load_config(None, ["--hf-checkpoint", "/m", "--save", out]))
+    with pytest.raises(ConfigError, match=f"checkpoint.save.*{out} is an object-store URL"):
+        run_sft(load_config(None, ["--hf-checkpoint", "/m", "--sft-data", "/d.jsonl", "--save", out]))
+    with pytest.raises(ConfigError, match="export.output_dir.*s3://bucket/hf is an object-store URL"):
+        run_export(load_config(None, ["--load", "/ckpt", "--output-dir", "s3://bucket/hf"]))
