@@ -58,6 +58,9 @@ class RunConfig(_Section):
 
     store: str = Field("./runs", description="artifact store root: any fsspec URL (./runs, s3://bucket/x)")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the store")
+    staging_dir: str | None = Field(None, description="local copies of checkpoints and HF directories kept in a "
+                                                      "remote store (slime/storage/staging.py); None: slime-staging "
+                                                      "in the system's temp directory")
     run_id: str | None = Field(None, description="run directory under the store; reuse it to resume (letters, "
                                                  "digits, '.', '_', '-'; no '/' or '..')")
     seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")

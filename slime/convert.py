@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from slime.config import Config
-from slime.preflight import check_local_files
+from slime.storage.staging import staged
 
 
 def megatron_dtype(config: Config) -> torch.dtype:
@@ -26,7 +26,12 @@ def megatron_dtype(config: Config) -> torch.dtype:
 def run_convert(config: Config) -> dict[str, Any]:
     """Convert `checkpoint.hf_checkpoint` into `checkpoint.save`; returns the checkpoint path and hash."""
     config.require("checkpoint.hf_checkpoint", "checkpoint.save", stage="convert")
-    check_local_files(config, "convert")  # torch_dist writes files: not into s3:// (a flow's output may be there)
+    with staged(config) as (local, staging):  # a remote save: written locally, uploaded after
+        result = _convert(local)
+    return {**result, "checkpoint": staging.to_remote(result["checkpoint"])}
+
+
+def _convert(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import iteration_dir, save_model_checkpoint
     from slime.storage import manifest_hash

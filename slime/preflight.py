@@ -39,7 +39,6 @@ def prepare_run(config: Config, stage: str | None = None) -> Config:
     """The kit built, outputs placed for `stage` (None: only relative outputs are placed), inputs checked."""
     ensure_kit(config)
     config = place_outputs(config, stage)
-    check_local_files(config, stage)
     check_inputs(config)
     return config
 
@@ -95,26 +94,6 @@ def place_outputs(config: Config, stage: str | None) -> Config:
         if _get(config, dotted) is None:
             values[dotted] = join_uri(run_dir, stage, name)
     return _set(config, values) if values else config
-
-
-def check_local_files(config: Config, stage: str | None) -> None:
-    """Megatron checkpoints (torch_dist) and HF directories are read and written as files: a checkpoint or
-    export location that a stage uses must not be an object-store URL (it would become a local directory
-    named `s3:`). A remote store keeps shards, manifests, metrics and reports; checkpoints go to a local or
-    shared file system (--save, --load, --output-dir) until the store can hold them (docs/storage.md)."""
-    used = ["checkpoint.save_hf", "checkpoint.load", "checkpoint.ref_load"]
-    if stage in ("convert", "sft") or (stage == "rl" and not config.run.debug_rollout_only):  # RL saves at its end
-        used.append("checkpoint.save")
-    if stage == "export":
-        used.append("export.output_dir")
-    for dotted in used:
-        value = _get(config, dotted)
-        if value and "://" in value and not value.startswith("file://"):
-            flag = "--" + dotted.split(".")[1].replace("_", "-")
-            raise ConfigError(f"{dotted}{_set_at(config, dotted)}: {value} is an object-store URL, but checkpoints "
-                              "and HF exports are written and read as local files (torch_dist, safetensors): set "
-                              f"{dotted} ({flag}) to a local or shared-file-system directory; the store (run.store) "
-                              "may stay remote for shards, manifests and metrics (docs/storage.md)")
 
 
 def check_inputs(config: Config) -> None:

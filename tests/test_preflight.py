@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from slime.config import load_config
-from slime.errors import ConfigError, InputNotFoundError
-from slime.preflight import check_inputs, check_local_files, ensure_kit, place_outputs, prepare_run
+from slime.errors import InputNotFoundError
+from slime.preflight import check_inputs, ensure_kit, place_outputs, prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_RECIPE = ROOT / "tests" / "tiny_kit_recipe.yaml"
@@ -89,23 +89,6 @@ def test_remote_inputs_are_left_to_the_stage_and_file_urls_are_checked(tmp_path)
         check_inputs(load_config(None, ["--prompt-data", f"file://{tmp_path}/p.jsonl"]))
 
 
-def test_checkpoints_in_an_object_store_are_refused_before_anything_starts():
-    remote = load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r"])
-    with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/sft/checkpoint is an object-store "
-                                          r"URL.*set checkpoint.save \(--save\) to a local"):
-        check_local_files(place_outputs(remote, "sft"), "sft")
-    with pytest.raises(ConfigError, match=r"checkpoint.save: s3://bucket/runs/r/rl/checkpoint"):
-        check_local_files(place_outputs(remote, "rl"), "rl")  # RL saves at its last rollout
-    check_local_files(place_outputs(load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r",
-                                                       "--debug-rollout-only"]), "rl"), "rl")  # nothing trained
-    with pytest.raises(ConfigError, match=r"export.output_dir \(set at --output-dir\): gs://b/hf .*--output-dir"):
-        check_local_files(load_config(None, ["--output-dir", "gs://b/hf"]), "export")
-    with pytest.raises(ConfigError, match=r"checkpoint.load \(set at --load\): s3://b/ckpt"):
-        check_local_files(load_config(None, ["--load", "s3://b/ckpt"]), "evaluate")
-    local = load_config(None, ["--store", "s3://bucket/runs", "--run-id", "r", "--save", "/local/ckpt"])
-    check_local_files(place_outputs(local, "sft"), "sft")  # a remote store with local checkpoints
-
-
 @pytest.mark.slow
 def test_a_fresh_checkout_runs_the_pipeline_without_make(tmp_path):
     """`slime pipeline --config deployments/tiny-cpu.yaml --run-id x` in a checkout where nothing was built:
@@ -138,18 +121,3 @@ def test_a_fresh_checkout_runs_the_pipeline_without_make(tmp_path):
     assert not (clone / "runs" / "x" / ".lease.json").exists()  # released
     assert sorted(p.name for p in clone.iterdir()) == ["datasets", "deployments", "runs"]
     assert "exported HF model" in done.stdout
-
-
-def test_stages_refuse_file_outputs_in_an_object_store_as_the_flows_place_them():
-    """The flows set a stage's output to {store}/{run_id}/<stage>/...: on s3:// each stage refuses it first."""
-    from slime.convert import run_convert
-    from slime.export import run_export
-    from slime.sft import run_sft
-
-    out = "s3://bucket/runs/r/stage/checkpoint"
-    with pytest.raises(ConfigError, match=f"checkpoint.save.*{out} is an object-store URL"):
-        run_convert(load_config(None, ["--hf-checkpoint", "/m", "--save", out]))
-    with pytest.raises(ConfigError, match=f"checkpoint.save.*{out} is an object-store URL"):
-        run_sft(load_config(None, ["--hf-checkpoint", "/m", "--sft-data", "/d.jsonl", "--save", out]))
-    with pytest.raises(ConfigError, match="export.output_dir.*s3://bucket/hf is an object-store URL"):
-        run_export(load_config(None, ["--load", "/ckpt", "--output-dir", "s3://bucket/hf"]))

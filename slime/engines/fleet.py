@@ -48,15 +48,25 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     checkpoint is refused (ConfigError) rather than overwritten. No committed checkpoint under `source`
     raises NotCommittedError naming it.
     """
+    from slime.errors import NotCommittedError
     from slime.export import resolve_checkpoint, run_export
     from slime.storage import is_committed, read_manifest
+    from slime.storage.staging import is_remote, local_copy, newest_committed
 
-    if is_hf_dir(source):
+    options = config.run.storage_options
+    if is_remote(source):  # in the store: a checkpoint (or --save root), or an HF export served as it is
+        checkpoint = newest_committed(source, options)
+        if checkpoint is None:
+            raise NotCommittedError(f"{source} holds no committed checkpoint (no iter_*/manifest.json)")
+        if read_manifest(checkpoint, options).kind == "hf_model":
+            return local_copy(config, checkpoint)
+    elif is_hf_dir(source):
         return source
-    checkpoint = resolve_checkpoint(source)
-    if is_committed(export_uri):
-        if read_manifest(export_uri).metadata.get("source_checkpoint") == checkpoint:
-            return export_uri
+    else:
+        checkpoint = resolve_checkpoint(source)
+    if is_committed(export_uri, options):
+        if read_manifest(export_uri, options).metadata.get("source_checkpoint") == checkpoint:
+            return local_copy(config, export_uri)
         raise ConfigError(f"{export_uri} holds the export of another checkpoint than {checkpoint}; choose "
                           "another output name or run_id")
     export_config = config.model_copy(deep=True)
@@ -64,7 +74,7 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     export_config.export.output_dir = export_uri
     export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
     logger.info("exporting %s to %s for serving", checkpoint, export_uri)
-    return run_export(export_config)["hf_dir"]
+    return local_copy(config, run_export(export_config)["hf_dir"])
 
 
 

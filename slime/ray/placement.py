@@ -316,6 +316,21 @@ def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
     return placement
 
 
+def _check_staged_checkpoints(config: Any, placement: Placement) -> None:
+    """Checkpoints of a remote store are staged on the driver's machine (slime/storage/staging.py): train
+    ranks on another IP could not read or write them."""
+    from slime.storage.staging import staging_root
+
+    root = os.path.abspath(staging_root(config))
+    ck = config.checkpoint
+    staged = [p for p in (ck.save, ck.load, ck.ref_load) if p and os.path.abspath(p).startswith(root + os.sep)]
+    away = sorted({placement.bundles[b].node_ip for b in placement.plan.train_bundles} - {placement.driver_node_ip})
+    if staged and away:
+        raise PlacementError(f"checkpoints of the remote store are staged on the driver's machine "
+                             f"({placement.driver_node_ip}, {root}), but train ranks run on {away}: set checkpoint.save "
+                             "(--save) and --load to a file system every node mounts")
+
+
 def check_across_nodes(config: Any, placement: Placement) -> None:
     """Refuse, before anything starts, a layout that cannot work across nodes (`config` a `Config`):
 
@@ -339,6 +354,7 @@ def check_across_nodes(config: Any, placement: Placement) -> None:
             raise PlacementError(f"engine {e} runs on node {ip} but binds engine.engine_host {host}, which the router "
                                  f"on the driver's node {placement.driver_node_ip} cannot reach: set engine.engine_host "
                                  "0.0.0.0 (--engine-host)")
+    _check_staged_checkpoints(config, placement)
     if config.run.debug_rollout_only or config.run.debug_train_only:
         return  # no weight sync
     trainer = placement.bundles[placement.plan.train_bundles[0]].node_id

@@ -140,3 +140,13 @@ def test_one_node_placements_are_not_checked():
     one = layout("", "")
     one.bundles = [Bundle(0, "", []), Bundle(1, "", [])]  # CPU, one node: not probed
     check_across_nodes(rl(sync={"weight_sync_mode": "tensor"}), one)
+
+
+def test_checkpoints_staged_on_the_driver_are_refused_for_train_ranks_on_another_ip(tmp_path):
+    staging = tmp_path / "staging"
+    config = rl(engine={"engine_host": "0.0.0.0"},
+                run={"staging_dir": str(staging)}, checkpoint={"save": str(staging / "ab12-checkpoint")})
+    with pytest.raises(PlacementError, match=r"staged on the driver's machine \(10.0.0.1.*train ranks run on "
+                                             r"\['10.0.0.3'\]: set checkpoint.save"):
+        check_across_nodes(config, layout("10.0.0.3", "10.0.0.2"))
+    check_across_nodes(config, layout("10.0.0.1", "10.0.0.2"))  # the train rank on the driver's machine
