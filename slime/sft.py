@@ -42,7 +42,8 @@ def run_sft(config: Config) -> dict[str, Any]:
     config.require("checkpoint.hf_checkpoint", "sft.sft_data", "checkpoint.save", stage="sft")
     with staged(config) as (local, staging):  # remote --load / --save: local copies, new checkpoints uploaded after
         result = _sft(local)
-    return {**result, "checkpoint": staging.to_remote(result["checkpoint"])}
+    return {**result, "checkpoint": staging.to_remote(result["checkpoint"]),
+            "resumed_from": result["resumed_from"] and staging.to_remote(result["resumed_from"])}
 
 
 def _sft(config: Config) -> dict[str, Any]:
