@@ -11,12 +11,12 @@ from prefect import Task
 from prefect.runtime import flow_run
 
 from flows._report import publish_stage_report
-from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config, load_config
 from slime.errors import NotCommittedError
 from slime.preflight import prepare_run
 from slime.storage import ArtifactStore
 from slime.storage.lease import hold_stage
+from slime.storage.staging import newest_committed
 from tasks._cache import result_storage
 
 
@@ -66,7 +66,7 @@ def output_uri(config: Config, run_id: str, stage: str, name: str) -> str:
 def newest_model(config: Config, run_id: str, stages: tuple[str, ...]) -> str:
     """The newest committed checkpoint of the first of `stages` that has one, for a stage run alone."""
     for stage in stages:
-        found = latest_checkpoint(output_uri(config, run_id, stage, "checkpoint"))
+        found = newest_committed(output_uri(config, run_id, stage, "checkpoint"), config.run.storage_options)
         if found is not None:
             return found
     raise NotCommittedError(f"run {run_id!r} in {config.run.store} has no committed checkpoint from "

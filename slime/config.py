@@ -58,6 +58,9 @@ class RunConfig(_Section):
 
     store: str = Field("./runs", description="artifact store root: any fsspec URL (./runs, s3://bucket/x)")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for the store")
+    staging_dir: str | None = Field(None, description="local copies of checkpoints and HF directories kept in a "
+                                                      "remote store (slime/storage/staging.py); None: slime-staging "
+                                                      "in the system's temp directory")
     run_id: str | None = Field(None, description="run directory under the store; reuse it to resume (letters, "
                                                  "digits, '.', '_', '-'; no '/' or '..')")
     seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")
@@ -519,6 +522,9 @@ class EngineConfig(_Section):
                                                      "reached on 127.0.0.1 without it")
     sglang_router_ip: str = "127.0.0.1"
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
+    engine_host: str = Field("127.0.0.1", description="address the engine servers bind; 0.0.0.0 (or the node's IP) "
+                                                      "when the router is on another node: engines are then "
+                                                      "registered by their node's IP (docs/ray.md)")
     use_fault_tolerance: bool = Field(False, description="`slime rl`: poll every engine's /health_generate; a dead "
                                                          "engine is restarted, re-synced and re-registered (docs/ray.md)")
     rollout_health_check_interval: float = Field(30.0, gt=0, description="fault tolerance: seconds between two "

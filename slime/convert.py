@@ -17,6 +17,7 @@ import torch
 
 from slime.config import Config
 from slime.errors import ConfigError
+from slime.storage.staging import staged
 
 
 def megatron_dtype(config: Config) -> torch.dtype:
@@ -43,6 +44,12 @@ def vocab_padding(config: Config, hf_dir: str) -> int:
 def run_convert(config: Config) -> dict[str, Any]:
     """Convert `checkpoint.hf_checkpoint` into `checkpoint.save`; returns the checkpoint path and hash."""
     config.require("checkpoint.hf_checkpoint", "checkpoint.save", stage="convert")
+    with staged(config) as (local, staging):  # a remote save: written locally, uploaded after
+        result = _convert(local)
+    return {**result, "checkpoint": staging.to_remote(result["checkpoint"])}
+
+
+def _convert(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import iteration_dir, save_model_checkpoint
     from slime.storage import manifest_hash

@@ -40,7 +40,7 @@ from typing import Any
 
 from slime.config import Config, stable_hash
 from slime.engines.fleet import is_hf_dir, policy_hf_dir, serve_policy
-from slime.errors import ConfigError
+from slime.errors import ConfigError, NotCommittedError
 from slime.rollout import generate_rollout, rollout_args
 from slime.rollout.eval import EvalDatasetConfig, eval_datasets, load_dataset
 from slime.rollout.rewards import check_reward_config
@@ -54,6 +54,7 @@ from slime.storage import (
 )
 from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import producer_info
+from slime.storage.staging import is_remote, newest_committed
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +70,20 @@ _NOT_IN_KEY = ("eval_interval", "skip_eval_before_train", "eval_watch_run", "eva
 
 def newest_run_checkpoint(config: Config, run_id: str) -> str | None:
     """The newest committed checkpoint of the first of `eval_watch_stages` that has one in `run_id`."""
-    from slime.backends.megatron.checkpoint import latest_checkpoint
-
     store = ArtifactStore.from_config(config)
     for stage in config.eval.eval_watch_stages:
-        found = latest_checkpoint(store.uri(run_id, stage, "checkpoint"))
+        found = newest_committed(store.uri(run_id, stage, "checkpoint"), store.storage_options)
         if found is not None:
             return found
     return None
 
 
-def policy_identity(path: str) -> str:
+def policy_identity(path: str, storage_options: dict[str, Any] | None = None) -> str:
     """Content hash of a policy: its manifest hash when committed (checkpoints, exports), else, for a plain
     HF directory, the hash of config.json and of every file's name, size and modification time (hashing
     the weights themselves would cost a full read of the model on every scheduled run)."""
-    if is_committed(path):
-        return manifest_hash(path)
+    if is_remote(path) or is_committed(path):  # in a remote store only committed artifacts are read
+        return manifest_hash(path, storage_options)
     listing = []
     for folder, _, files in os.walk(path):
         for name in files:
@@ -111,7 +110,7 @@ def policy_label(path: str) -> str:
 def eval_settings(config: Config, datasets: list[EvalDatasetConfig]) -> dict[str, Any]:
     """Everything an eval result depends on besides the policy (the eval key is their hash with it)."""
     eval_fields = {k: v for k, v in config.eval.model_dump(mode="json").items() if k not in _NOT_IN_KEY}
-    engine = config.engine.model_dump(mode="json", exclude={"sglang_router_ip", "sglang_router_port"})
+    engine = config.engine.model_dump(mode="json", exclude={"sglang_router_ip", "sglang_router_port", "engine_host"})
     return {
         "datasets": [d.model_dump(mode="json") for d in datasets],
         "eval": eval_fields,
@@ -195,6 +194,11 @@ def _policy_source(config: Config) -> str:
     from slime.export import resolve_checkpoint
 
     load, hf = config.checkpoint.load, config.checkpoint.hf_checkpoint
+    if load and is_remote(load):  # a checkpoint, save root or export in the store
+        found = newest_committed(load, config.run.storage_options)
+        if found is None:
+            raise NotCommittedError(f"checkpoint.load: {load} holds no committed checkpoint (no iter_*/manifest.json)")
+        return found
     if load:
         return load if is_hf_dir(load) else resolve_checkpoint(load)
     if hf:
@@ -220,7 +224,7 @@ def plan_evaluate(config: Config) -> EvalPlan:
             return plan
     else:
         plan.source = _policy_source(config)
-    plan.policy_hash = policy_identity(plan.source)
+    plan.policy_hash = policy_identity(plan.source, config.run.storage_options)
     plan.settings = eval_settings(config, plan.datasets)
     plan.key = stable_hash({"policy": plan.policy_hash, "settings": plan.settings})
     plan.uri = ArtifactStore.from_config(config).uri(config.run.run_id, STAGE,

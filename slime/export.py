@@ -18,12 +18,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from slime.config import Config
 from slime.errors import ConfigError, NotCommittedError
+from slime.storage.staging import staged
 
 # files of an HF directory that describe the model rather than hold its weights
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -47,6 +49,14 @@ def resolve_checkpoint(load: str) -> str:
 def run_export(config: Config) -> dict[str, Any]:
     """Export `checkpoint.load` to `export.output_dir`; returns the output path and its manifest hash."""
     config.require("checkpoint.load", "export.output_dir", stage="export")
+    with staged(config) as (local, staging):  # remote --load / --output-dir: local copies, the export uploaded after
+        result = _export(local, staging.to_remote)
+    return {**result, "hf_dir": staging.to_remote(result["hf_dir"]),
+            "source_checkpoint": staging.to_remote(result["source_checkpoint"])}
+
+
+def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any]:
+    """The export on local paths; `remote` names a staged checkpoint by its URL in the manifest."""
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
@@ -75,7 +85,7 @@ def run_export(config: Config) -> dict[str, Any]:
     for name in _HF_SIDE_FILES:
         if os.path.isfile(os.path.join(origin, name)):
             shutil.copyfile(os.path.join(origin, name), os.path.join(out, name))
-    commit_directory(out, "hf_model", metadata={"source_checkpoint": path, "iteration": meta.get("iteration"),
+    commit_directory(out, "hf_model", metadata={"source_checkpoint": remote(path), "iteration": meta.get("iteration"),
                                                 "weights": files, "origin_hf_dir": origin})
     return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
 

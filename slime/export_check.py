@@ -22,6 +22,7 @@ from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
 from slime.storage import read_samples
 from slime.storage.fs import join_uri
+from slime.storage.staging import local_copy
 from slime.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def check_exported_answers(config: Config, hf_dir: str, eval_result: str, datase
         raise DataFormatError(f"{uri}: the eval result holds no samples for dataset {dataset!r}")
     stops = list(params.get("stop") or [])
     max_new = params["max_new_tokens"]
+    hf_dir = local_copy(config, hf_dir)  # an export in a remote store: its staged download
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     if torch.cuda.is_available():

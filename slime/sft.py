@@ -32,6 +32,7 @@ from typing import Any
 
 from slime.config import Config
 from slime.errors import ConfigError
+from slime.storage.staging import staged
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 def run_sft(config: Config) -> dict[str, Any]:
     """Fine-tune on `sft.sft_data`; returns the checkpoint path, its hash and the loss curve."""
     config.require("checkpoint.hf_checkpoint", "sft.sft_data", "checkpoint.save", stage="sft")
+    with staged(config) as (local, staging):  # remote --load / --save: local copies, new checkpoints uploaded after
+        result = _sft(local)
+    return {**result, "checkpoint": staging.to_remote(result["checkpoint"]),
+            "resumed_from": result["resumed_from"] and staging.to_remote(result["resumed_from"])}
+
+
+def _sft(config: Config) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge

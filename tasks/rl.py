@@ -11,6 +11,7 @@ The loop's progress and per-iteration metrics are published as Prefect artifacts
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -24,6 +25,7 @@ from slime.errors import NotCommittedError
 from slime.rl import RLLoop, read_metrics
 from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
+from slime.storage.staging import staged
 from tasks._cache import StageCachePolicy
 from tasks._stage import Phases, move_aside, stage_result, stage_task, start_stage, with_fields
 from tasks.evaluate import GPU_TAG
@@ -93,9 +95,11 @@ def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[st
     return row
 
 
-def drive(loop: RLLoop, run_id: str, phases: Phases) -> list[dict[str, Any]]:
+def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], Any] | None = None
+          ) -> list[dict[str, Any]]:
     """Every remaining iteration as step tasks, with a progress artifact and the metrics table updated
-    after each; the rows. `prefect_s` of a row: the iteration's wall time minus the loop's own steps."""
+    after each; the rows. `prefect_s` of a row: the iteration's wall time minus the loop's own steps.
+    `after_save` runs after each checkpoint (uploads it when the store is remote)."""
     progress = create_progress_artifact(0.0, key=artifact_key(run_id, "rl", "progress"),
                                         description=f"RL iterations of run {run_id}")
     rows = [table_row(r) for i, r in sorted(read_metrics(loop.metrics_uri, loop.store.storage_options).items())
@@ -118,6 +122,8 @@ def drive(loop: RLLoop, run_id: str, phases: Phases) -> list[dict[str, Any]]:
         step("train", train_step, loop, rollout_id, rollout["uri"])
         if loop.save_due(rollout_id):
             step("save", save_step, loop, rollout_id)
+            if after_save is not None:
+                after_save()
         step("sync", sync_step, loop, rollout_id)
         if loop.eval_due(rollout_id):
             step("eval", eval_step, loop, rollout_id)
@@ -138,20 +144,22 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
     `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same attempt.
     """
     phases = start_stage(CACHE, config, inputs, output, resumable=True)
-    with phases.time("prepare output"):
-        if latest_checkpoint(output) is None:
-            set_aside_step_outputs(config, run_id)
-    loop = RLLoop(with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,
-                              checkpoint__hf_checkpoint=inputs["hf_checkpoint"],
-                              data__prompt_data=inputs["prompt_data"]))
-    try:
-        with phases.time("setup"):
-            setup = loop.setup()
-        rows = drive(loop, run_id, phases)
-    finally:
-        with phases.time("close"):
-            loop.close()
-    checkpoint = latest_checkpoint(output)
+    run_config = with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,
+                             checkpoint__hf_checkpoint=inputs["hf_checkpoint"], data__prompt_data=inputs["prompt_data"])
+    with staged(run_config) as (local, staging):  # checkpoints in a remote store: local copies, uploaded after
+        with phases.time("prepare output"):
+            if latest_checkpoint(local.checkpoint.save) is None:
+                set_aside_step_outputs(config, run_id)
+        loop = RLLoop(local)
+        try:
+            with phases.time("setup"):
+                setup = loop.setup()
+            rows = drive(loop, run_id, phases, after_save=staging.publish)
+        finally:
+            with phases.time("close"):
+                loop.close()
+        checkpoint = latest_checkpoint(local.checkpoint.save)
+    checkpoint = checkpoint and staging.to_remote(checkpoint)
     if checkpoint is None:
         raise NotCommittedError(f"rl finished without a committed checkpoint under {output}: set checkpoint.save_interval")
     records = read_metrics(loop.metrics_uri, loop.store.storage_options)

@@ -52,15 +52,25 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     checkpoint is refused (ConfigError) rather than overwritten. No committed checkpoint under `source`
     raises NotCommittedError naming it.
     """
+    from slime.errors import NotCommittedError
     from slime.export import resolve_checkpoint, run_export
     from slime.storage import is_committed, read_manifest
+    from slime.storage.staging import is_remote, local_copy, newest_committed
 
-    if is_hf_dir(source):
+    options = config.run.storage_options
+    if is_remote(source):  # in the store: a checkpoint (or --save root), or an HF export served as it is
+        checkpoint = newest_committed(source, options)
+        if checkpoint is None:
+            raise NotCommittedError(f"{source} holds no committed checkpoint (no iter_*/manifest.json)")
+        if read_manifest(checkpoint, options).kind == "hf_model":
+            return local_copy(config, checkpoint)
+    elif is_hf_dir(source):
         return source
-    checkpoint = resolve_checkpoint(source)
-    if is_committed(export_uri):
-        if read_manifest(export_uri).metadata.get("source_checkpoint") == checkpoint:
-            return export_uri
+    else:
+        checkpoint = resolve_checkpoint(source)
+    if is_committed(export_uri, options):
+        if read_manifest(export_uri, options).metadata.get("source_checkpoint") == checkpoint:
+            return local_copy(config, export_uri)
         raise ConfigError(f"{export_uri} holds the export of another checkpoint than {checkpoint}; choose "
                           "another output name or run_id")
     export_config = config.model_copy(deep=True)
@@ -69,7 +79,7 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
     export_config.export.merge = True  # engines serve full weights: a LoRA checkpoint is merged
     logger.info("exporting %s to %s for serving", checkpoint, export_uri)
-    return run_export(export_config)["hf_dir"]
+    return local_copy(config, run_export(export_config)["hf_dir"])
 
 
 
@@ -133,6 +143,41 @@ def _visible_devices(devices: list[int]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, devices: list[int],
+                  keep: Any = None) -> str:
+    """Start engine `index` of a fleet in this process (built-in or SGLang, bound to `engine.engine_host`,
+    `CUDA_VISIBLE_DEVICES` = `devices`) and wait until it can generate; `keep(server)` receives the
+    server as soon as it exists (to stop it, also after a failed start). Returns the URL other nodes
+    reach it at: by this node's IP when it binds a wildcard address (the router may be on another node)."""
+    from slime.engines.builtin.launcher import start_builtin_engine
+    from slime.engines.sglang_server import SGLangEngine
+
+    c, host = config, config.engine.engine_host
+    keep = keep or (lambda server: None)
+    if c.engine.engine == "sglang":
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
+        engine = SGLangEngine(model_dir, sglang_args=c.sglang, log_path=log_path, env=env, host=host)
+        keep(engine)
+        return reachable_url(engine.start().url, host)
+    with _launch_lock, _visible_devices(devices):
+        server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index)
+    keep(server)
+    return reachable_url(url, host)
+
+
+def reachable_url(url: str, bind_host: str) -> str:
+    """`url` of a server bound to `bind_host`, as another node reaches it: a wildcard bind (0.0.0.0)
+    is advertised by this node's IP when this process runs under Ray (by 127.0.0.1 otherwise)."""
+    if bind_host not in ("0.0.0.0", "", "::"):
+        return url
+    import ray
+
+    if not ray.is_initialized():
+        return url
+    ip = ray.util.get_node_ip_address()
+    return url.replace("://127.0.0.1:", f"://[{ip}]:" if ":" in ip else f"://{ip}:", 1)
+
+
 class EngineFleet:
     """Engines of one model behind one router; see the module docstring. `start()`, then `stop()` always.
 
@@ -141,14 +186,21 @@ class EngineFleet:
         model_dir: HF directory every engine loads at start.
         log_dir: engine{i}.log (a restart appends to it) and router.log.
         devices: GPU ids per engine (`[[]] * n` on CPU); its length is the number of engines.
+        hosts: per engine, None (started by this process, on this node) or the Ray actor options of an
+            `EngineHost` on the engine's node (`Placement.engine_host_options()`), which starts it there.
     """
 
-    def __init__(self, config: Config, model_dir: str, log_dir: Path, devices: list[list[int]]) -> None:
+    def __init__(self, config: Config, model_dir: str, log_dir: Path, devices: list[list[int]],
+                 hosts: list[dict[str, Any] | None] | None = None) -> None:
         self.external = external_engine_urls(config.engine.rollout_external_engine_addrs or [])
-        if self.external:  # engines a user started: one slot per address, nothing to place
-            devices = [[] for _ in self.external]
+        if self.external:  # engines a user started: one slot per address, nothing to place or host
+            devices, hosts = [[] for _ in self.external], None
         if not devices:
             raise ConfigError("an engine fleet needs at least one engine")
+        if hosts is not None and len(hosts) != len(devices):
+            raise ConfigError(f"{len(hosts)} engine hosts for {len(devices)} engines")
+        self.hosts = hosts or [None] * len(devices)
+        self._host_actors: dict[int, Any] = {}  # engine index -> its EngineHost actor (engines on other nodes)
         self.config = config
         self.model_dir = model_dir
         self.log_dir = Path(log_dir)
@@ -188,6 +240,12 @@ class EngineFleet:
                     slot.server.stop()
                     slot.server = None
                 slot.state = "down" if slot.state != "failed" else "failed"
+            if self._host_actors:
+                import ray
+
+                for host in self._host_actors.values():
+                    ray.kill(host)
+                self._host_actors = {}
 
     def __enter__(self) -> Self:
         return self.start()
@@ -196,25 +254,31 @@ class EngineFleet:
         self.stop()
 
     def _launch(self, slot: EngineSlot) -> None:
-        """Start `slot`'s engine on a free port and wait until it can generate."""
-        from slime.engines.builtin.launcher import start_builtin_engine
-        from slime.engines.sglang_server import SGLangEngine
-
-        c = self.config
+        """Start `slot`'s engine on a free port and wait until it can generate: in this process, or through
+        its `EngineHost` actor when it has a host (an engine on another node; a restart reuses the host);
+        an external engine (--rollout-external-engine-addrs) is only waited for."""
         if self.external:
             slot.url = self.external[slot.index]
             wait_external_engine(slot.url)
             return
         log = self.log_dir / f"engine{slot.index}.log"
-        if c.engine.engine == "sglang":
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.devices))} if slot.devices else {}
-            engine = SGLangEngine(self.model_dir, sglang_args=c.sglang, log_path=log, env=env)
-            slot.server = engine  # stoppable even if start fails half-way
-            slot.url = engine.start().url
+        options = self.hosts[slot.index]
+        if options is None:
+            def keep(server: Any) -> None:  # stoppable even if start fails half-way
+                slot.server = server
+
+            slot.url = launch_engine(self.config, self.model_dir, log, slot.index, slot.devices, keep)
             return
-        with _launch_lock, _visible_devices(slot.devices):
-            slot.server, slot.url = start_builtin_engine(self.model_dir, log_path=log,
-                                                         random_seed=c.run.seed + slot.index)
+        import ray
+
+        from slime.engines.host import EngineHost, RemoteEngine
+
+        if slot.index not in self._host_actors:
+            self._host_actors[slot.index] = ray.remote(EngineHost).options(**options).remote(
+                self.config.model_dump(mode="json"))
+        host = self._host_actors[slot.index]
+        slot.server = RemoteEngine(host)  # stoppable even if start fails half-way
+        slot.url, slot.server.pid = ray.get(host.launch.remote(self.model_dir, str(log), slot.index, slot.devices))
 
     # ------------------------------------------------------------------------- state
 

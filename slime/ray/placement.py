@@ -11,8 +11,16 @@ count when colocated, one engine's worth otherwise), cut into engines of rollout
 Train actors take 0.4 of their bundle (so a colocated engine and the rollout manager fit beside them);
 the rollout manager takes 0.1 CPU of the first engine's bundle and starts the engine servers itself,
 with `CUDA_VISIBLE_DEVICES` set to the GPUs of each engine's bundles (found by probing the bundles, in
-(node, GPU id) order as slime sorts them). Departure from slime: engines are processes of the rollout
-manager, not Ray actors, so all engine bundles must sit on the rollout manager's node.
+(node, GPU id) order as slime sorts them).
+
+Several nodes: bundles are probed on the CPU too and sorted by (node IP, node id, GPU id), so train
+ranks fill the first nodes and engines the following ones (colocated: the same bundles, per node).
+When every engine is on the driver's node the rollout manager sits in the first engine's bundle and
+starts the engines itself (the one-node layout). Otherwise it runs on the driver's node (with the
+router, as slime's), and each engine is started by an `EngineHost` actor in that engine's first bundle
+(`engine_host_options`); an engine's own bundles must share a node. `check_across_nodes` refuses what
+cannot work across nodes: engines bound to 127.0.0.1 on another IP than the router, disk weight sync
+to another node through a private directory, tensor sync outside the trainer's node.
 
 `RayCluster` joins `cluster.ray_address` or starts a private local Ray (own temp dir, dashboard off,
 `RAY_AUTH_MODE=disabled` unless the environment says otherwise; its workers get the driver's `sys.path`
@@ -28,7 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from slime.errors import ConfigError
 
@@ -37,6 +45,8 @@ logger = logging.getLogger(__name__)
 TRAIN_SHARE = 0.4  # of a bundle's GPU and CPU, per train actor
 MANAGER_CPU = 0.1  # of the first engine's bundle, for the rollout manager
 PROBE_SHARE = 0.01
+HOST_CPU = 0.05  # of an engine's first bundle, for the EngineHost that starts it on another node
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # only URIs and small dicts travel through Ray
 LOCAL_START_ATTEMPTS = 3
 
@@ -165,19 +175,30 @@ def _kill_processes_of(temp_dir: str) -> None:
 # ----------------------------------------------------------------------------- placement group
 
 
+class Bundle(NamedTuple):
+    """Where one logical bundle is: its index in the placement group, node IP, GPU ids, node id."""
+
+    index: int
+    node_ip: str
+    gpus: list[int]
+    node_id: str = ""
+
+
 @dataclass
 class Placement:
-    """The created placement group and, per logical bundle, its (physical index, node IP, GPU ids)."""
+    """The created placement group, per logical bundle its `Bundle`, and the driver's node."""
 
     plan: PlacementPlan
     group: Any
-    bundles: list[tuple[int, str, list[int]]] = field(default_factory=list)
+    bundles: list[Bundle] = field(default_factory=list)
+    driver_node_id: str = ""
+    driver_node_ip: str = ""
 
     def _strategy(self, logical: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(placement_group=self.group,
-                                                placement_group_bundle_index=self.bundles[logical][0])
+                                                placement_group_bundle_index=self.bundles[logical].index)
 
     def train_options(self, rank: int) -> dict[str, Any]:
         """Ray actor options of train rank `rank`: its share of its bundle."""
@@ -185,14 +206,38 @@ class Placement:
         return {"num_cpus": TRAIN_SHARE, "num_gpus": gpus,
                 "scheduling_strategy": self._strategy(self.plan.train_bundles[rank])}
 
+    def engine_nodes(self) -> list[str]:
+        """Node id of each engine ("" when not probed: one node)."""
+        return [self.bundles[engine[0]].node_id for engine in self.plan.engine_bundles]
+
+    @property
+    def remote_engines(self) -> bool:
+        """True when some engine is on another node than the driver (the rollout manager stays with the driver)."""
+        return any(node and node != self.driver_node_id for node in self.engine_nodes())
+
     def manager_options(self) -> dict[str, Any]:
-        """Ray actor options of the rollout manager: a little CPU in the first engine's bundle."""
+        """Ray actor options of the rollout manager: a little CPU in the first engine's bundle, or, when
+        engines are on other nodes, the driver's node (no CPU claimed: it waits on HTTP, and the driver's
+        node may have none left outside the placement group)."""
+        if self.remote_engines:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            return {"num_cpus": 0, "num_gpus": 0,
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(self.driver_node_id, soft=False)}
         logical = self.plan.engine_bundles[0][0] if self.plan.engine_bundles else 0
         return {"num_cpus": MANAGER_CPU, "num_gpus": 0, "scheduling_strategy": self._strategy(logical)}
 
+    def engine_host_options(self) -> list[dict[str, Any] | None] | None:
+        """Per engine, the Ray actor options of the `EngineHost` that starts it on its node; None when the
+        rollout manager starts every engine itself (all on its node)."""
+        if not self.remote_engines:
+            return None
+        return [{"num_cpus": HOST_CPU, "num_gpus": 0, "scheduling_strategy": self._strategy(engine[0])}
+                for engine in self.plan.engine_bundles]
+
     def engine_devices(self) -> list[list[int]]:
         """GPU ids (as the node numbers them) of each engine; empty lists in CPU mode."""
-        return [[gpu for b in engine for gpu in self.bundles[b][2]] for engine in self.plan.engine_bundles]
+        return [[gpu for b in engine for gpu in self.bundles[b].gpus] for engine in self.plan.engine_bundles]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -214,22 +259,23 @@ def _check_fits(plan: PlacementPlan) -> None:
                 "actor_num_gpus_per_node / rollout_num_gpus, use colocate, or add nodes")
 
 
-def _probe(placement: Placement, timeout_s: float) -> list[tuple[int, str, list[int]]]:
-    """(physical index, node IP, GPU ids) of every bundle, sorted by node and first GPU id."""
+def _probe(placement: Placement, timeout_s: float) -> list[Bundle]:
+    """Where every bundle is, sorted by node (IP, then id: simulated nodes share an IP) and first GPU id."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     @ray.remote
-    def where() -> tuple[str, list[int]]:
-        return ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()]
+    def where() -> tuple[str, list[int], str]:
+        return (ray.util.get_node_ip_address(), [int(g) for g in ray.get_gpu_ids()],
+                ray.get_runtime_context().get_node_id())
 
     extra = {"num_gpus": PROBE_SHARE} if placement.plan.use_gpu else {}
     refs = [where.options(num_cpus=PROBE_SHARE, **extra, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=placement.group, placement_group_bundle_index=i)).remote()
         for i in range(placement.plan.num_bundles)]
     found = ray.get(refs, timeout=timeout_s)
-    rows = [(i, ip, gpus) for i, (ip, gpus) in enumerate(found)]
-    return sorted(rows, key=lambda row: (row[1], row[2][0] if row[2] else row[0]))
+    rows = [Bundle(i, ip, gpus, node) for i, (ip, gpus, node) in enumerate(found)]
+    return sorted(rows, key=lambda b: (b.node_ip, b.node_id, b.gpus[0] if b.gpus else b.index))
 
 
 def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
@@ -250,16 +296,78 @@ def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
         remove_placement_group(group)
         raise PlacementError(f"placement ({plan.describe()}) was not granted within {timeout_s:.0f} s; free "
                              f"resources now: {ray.available_resources()}") from None
-    placement = Placement(plan=plan, group=group)
-    if plan.use_gpu:
+    context = ray.get_runtime_context()
+    placement = Placement(plan=plan, group=group, driver_node_id=context.get_node_id(),
+                          driver_node_ip=ray.util.get_node_ip_address())
+    if plan.use_gpu or len([n for n in ray.nodes() if n["Alive"]]) > 1:
         placement.bundles = _probe(placement, timeout_s)
-    else:  # CPU bundles are interchangeable: no probe
-        placement.bundles = [(i, "", []) for i in range(plan.num_bundles)]
-    if plan.engine_bundles:
-        nodes = {placement.bundles[b][1] for engine in plan.engine_bundles for b in engine}
+    else:  # CPU bundles of one node are interchangeable: no probe
+        placement.bundles = [Bundle(i, "", []) for i in range(plan.num_bundles)]
+    for e, engine in enumerate(plan.engine_bundles):
+        nodes = {placement.bundles[b].node_id for b in engine}
         if len(nodes) > 1:
             placement.remove()
-            raise PlacementError(f"the {len(plan.engine_bundles)} engines' bundles span nodes {sorted(nodes)}; "
-                                 "engines run as processes of the rollout manager, so they must fit on one node")
-    logger.info("placement group ready: %s", plan.describe())
+            raise PlacementError(f"engine {e}'s {len(engine)} bundles span nodes {sorted(nodes)}; one engine "
+                                 "runs on one node: lower rollout_num_gpus_per_engine to at most the GPUs per node")
+    nodes = sorted({b.node_id for b in placement.bundles if b.node_id})
+    logger.info("placement group ready: %s%s", plan.describe(),
+                f", over {len(nodes)} nodes" + (" (engines on other nodes than the driver)"
+                                                if placement.remote_engines else "") if len(nodes) > 1 else "")
     return placement
+
+
+def _check_staged_checkpoints(config: Any, placement: Placement) -> None:
+    """Checkpoints of a remote store are staged on the driver's machine (slime/storage/staging.py): train
+    ranks on another IP could not read or write them."""
+    from slime.storage.staging import staging_root
+
+    root = os.path.abspath(staging_root(config))
+    ck = config.checkpoint
+    staged = [p for p in (ck.save, ck.load, ck.ref_load) if p and os.path.abspath(p).startswith(root + os.sep)]
+    away = sorted({placement.bundles[b].node_ip for b in placement.plan.train_bundles} - {placement.driver_node_ip})
+    if staged and away:
+        raise PlacementError(f"checkpoints of the remote store are staged on the driver's machine "
+                             f"({placement.driver_node_ip}, {root}), but train ranks run on {away}: set checkpoint.save "
+                             "(--save) and --load to a file system every node mounts")
+
+
+def check_across_nodes(config: Any, placement: Placement) -> None:
+    """Refuse, before anything starts, a layout that cannot work across nodes (`config` a `Config`):
+
+    * engines bound to a loopback address on another IP than the driver's (the router there cannot
+      reach them): set `engine.engine_host` 0.0.0.0;
+    * disk weight sync from trainer rank 0 to an engine on another node through a directory the run
+      made itself (a private temporary directory): name a shared one in `sync.update_weight_disk_dir`
+      (and, for delta sync, `update_weight_local_checkpoint_dir`), or sync `distributed`;
+    * tensor sync to an engine on another node than trainer rank 0 (it hands over shared-memory or
+      CUDA IPC handles, which only that node can open): use `distributed`.
+    """
+    from slime.sync.syncer import resolve_mode
+
+    engine_nodes = placement.engine_nodes()
+    if not placement.plan.engine_bundles or not any(engine_nodes):
+        return  # one node, or nothing to reach
+    host = config.engine.engine_host
+    for e, engine in enumerate(placement.plan.engine_bundles):
+        ip = placement.bundles[engine[0]].node_ip
+        if host in LOOPBACK and ip != placement.driver_node_ip:
+            raise PlacementError(f"engine {e} runs on node {ip} but binds engine.engine_host {host}, which the router "
+                                 f"on the driver's node {placement.driver_node_ip} cannot reach: set engine.engine_host "
+                                 "0.0.0.0 (--engine-host)")
+    _check_staged_checkpoints(config, placement)
+    if config.run.debug_rollout_only or config.run.debug_train_only:
+        return  # no weight sync
+    trainer = placement.bundles[placement.plan.train_bundles[0]].node_id
+    away = [e for e, node in enumerate(engine_nodes) if node != trainer]
+    if not away:
+        return
+    mode = resolve_mode(config.sync, config.cluster.colocate)
+    where = f"engines {away} are on other nodes than train rank 0"
+    if mode == "tensor":
+        raise PlacementError(f"sync.weight_sync_mode tensor: {where}; tensor sync hands over shared-memory or CUDA "
+                             "IPC handles that only the trainer's node can open: use weight_sync_mode distributed")
+    if mode == "disk" and config.sync.update_weight_disk_dir is None:
+        raise PlacementError(f"sync.weight_sync_mode disk: {where}, and the weights would go to a temporary "
+                             "directory of the trainer's node that they cannot read: set sync.update_weight_disk_dir "
+                             "to a directory every node mounts (a shared file system), or use weight_sync_mode "
+                             "distributed")

@@ -55,12 +55,16 @@ class RolloutManager:
         config: `Config.model_dump(mode="json")`.
         engine_devices: GPU ids per engine (`Placement.engine_devices()`); `[[]] * n` on CPU.
         log_dir: where engine and router logs go (default: a new temp dir).
+        engine_hosts: per engine, the actor options of the `EngineHost` that starts it on its own node
+            (`Placement.engine_host_options()`); None: this actor starts every engine on its node.
     """
 
-    def __init__(self, config: dict[str, Any], engine_devices: list[list[int]], log_dir: str | None = None) -> None:
+    def __init__(self, config: dict[str, Any], engine_devices: list[list[int]], log_dir: str | None = None,
+                 engine_hosts: list[dict[str, Any] | None] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = Config.model_validate(config)
         self.engine_devices = engine_devices
+        self.engine_hosts = engine_hosts
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="slime-rollout-"))
         self.fleet: EngineFleet | None = None
         self.monitor: HealthMonitor | None = None
@@ -92,7 +96,8 @@ class RolloutManager:
             raise ConfigError("the placement has no engine (rollout_num_gpus 0): the rollout manager needs one")
         t0 = time.monotonic()
         try:
-            self.fleet = EngineFleet(c, c.checkpoint.hf_checkpoint, self.log_dir, self.engine_devices).start()
+            self.fleet = EngineFleet(c, c.checkpoint.hf_checkpoint, self.log_dir, self.engine_devices,
+                                     self.engine_hosts).start()
             self.args = rollout_args(c, self.router)
             tokenizer = AutoTokenizer.from_pretrained(c.checkpoint.hf_checkpoint)
             self.data_source = make_data_source(c, tokenizer)

@@ -11,18 +11,29 @@ id + 1 with its data-source state, so a rerun of the same config draws the same 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from slime.config import Config
 from slime.rl.loop import RLLoop
 from slime.rl.metrics import read_metrics
 from slime.signals import sigterm_as_exit
+from slime.storage.staging import staged
 
 __all__ = ["RLLoop", "read_metrics", "run_rl"]
 
 
 def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
-    """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record."""
+    """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record. Checkpoints in a
+    remote store are staged locally and uploaded after each save (slime/storage/staging.py)."""
+    with staged(config) as (local, staging):
+        result = _run_rl(local, staging.publish, **loop_options)
+    if result["last_checkpoint"]:
+        result["last_checkpoint"] = staging.to_remote(result["last_checkpoint"])
+    return result
+
+
+def _run_rl(config: Config, after_save: Callable[[], Any], **loop_options: Any) -> dict[str, Any]:
     loop = RLLoop(config, **loop_options)
     steps: list[dict[str, Any]] = []
     with sigterm_as_exit():  # RLLoop.connect keeps it across ray.init
@@ -32,7 +43,8 @@ def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
                 loop.maybe_eval(rollout_id, before_train=True)
                 rollout = loop.rollout(rollout_id)
                 loop.train(rollout_id, rollout["uri"])
-                loop.maybe_save(rollout_id)
+                if loop.maybe_save(rollout_id)["saved"]:
+                    after_save()
                 loop.sync(rollout_id)
                 loop.maybe_eval(rollout_id)
                 steps.append(loop.log_step(rollout_id))

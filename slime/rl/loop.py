@@ -148,7 +148,7 @@ class RLLoop:
         import ray
 
         from slime.backends.megatron.checkpoint import latest_checkpoint
-        from slime.ray.placement import create_placement
+        from slime.ray.placement import check_across_nodes, create_placement
         from slime.ray.rollout_manager import RolloutManager
         from slime.ray.train_group import TrainGroup
 
@@ -156,10 +156,12 @@ class RLLoop:
         c = self.config
         self.connect()
         self.placement = create_placement(c.cluster)
+        check_across_nodes(c, self.placement)
         started: dict[str, Any] = {"router_url": None, "worker_urls": []}
         if not c.run.debug_train_only:  # slime's --debug-train-only: no engines
             self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
-                c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir)
+                c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir,
+                self.placement.engine_host_options())
             started = ray.get(self.manager.start.remote())
         self.worker_urls = started["worker_urls"]
         self.num_rollout = self._resolve_num_rollout()

@@ -12,6 +12,7 @@ from slime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+POOLS = {"slime-local", "slime-gpu", "slime-cpu"}
 
 
 def test_runs_start_in_the_project_root():
@@ -27,7 +28,25 @@ def test_deployment_names_a_flow_that_takes_its_parameters(deployment):
     assert isinstance(flow, Flow)
     params = flow.validate_parameters(deployment.get("parameters", {}))  # raises on unknown or mistyped ones
     assert load_config(ROOT / params["config"]).run.store
-    assert deployment["work_pool"]["name"] == "slime-local"
+    assert deployment["work_pool"]["name"] in POOLS
+
+
+def test_work_pools_set_only_the_process_workers_job_variables():
+    """slime-gpu (a worker on the Ray head node) and slime-cpu (export, small evals): their job variables are
+    ones Prefect's process worker template defines, so `prefect deploy` accepts them."""
+    from prefect.workers.process import ProcessWorker
+
+    known = set(ProcessWorker.get_default_base_job_template()["variables"]["properties"])
+    pools = {d["work_pool"]["name"]: d["work_pool"] for d in PROJECT["deployments"]}
+    assert set(pools) == POOLS
+    for name, pool in pools.items():
+        assert set(pool.get("job_variables", {})) <= known, name
+    assert pools["slime-cpu"]["job_variables"]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    names = {d["name"]: d for d in PROJECT["deployments"]}
+    multinode = load_config(ROOT / names["multinode-gpu"]["parameters"]["config"])
+    assert multinode.cluster.ray_address and multinode.engine.engine_host == "0.0.0.0"
+    assert names["multinode-gpu"]["work_pool"]["name"] == "slime-gpu"
+    assert names["export-cpu"]["work_pool"]["name"] == "slime-cpu"
 
 
 def test_pipeline_deployment_is_post_training_tiny_cpu():

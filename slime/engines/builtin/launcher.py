@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from slime.engines.process import ServerProcess, find_free_port, start_server
+from slime.engines.process import ServerProcess, find_free_port, local_host, server_url, start_server
 
 
 def start_builtin_engine(
@@ -27,11 +27,11 @@ def start_builtin_engine(
     The process is stopped again if it does not answer `/health_generate` within `timeout_s`.
     `extra_args` are more server flags (`python -m slime.engines.builtin --help`).
     """
-    port = port or find_free_port(host)
+    port = port or find_free_port(local_host(host))
     cmd = [sys.executable, "-m", "slime.engines.builtin", "--model", model_path, "--host", host,
            "--port", str(port), "--device", device, "--dtype", dtype, "--random-seed", str(random_seed),
            "--max-running-requests", str(max_running_requests), "--kv-cache", kv_cache, *extra_args]
-    url = f"http://{host}:{port}"
+    url = server_url(host, port)  # a wildcard bind (0.0.0.0) is reached at 127.0.0.1 here
     process = start_server(cmd, log_path=log_path, health_url=f"{url}/health_generate", timeout_s=timeout_s,
                            name=f"builtin-engine:{port}")
     return process, url
