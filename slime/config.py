@@ -1290,7 +1290,7 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if not config.checkpoint.save or config.checkpoint.no_save_optim:
             fail("cluster.release_train", "the recreated train ranks resume from a full checkpoint of each rollout: "
                  "set checkpoint.save and leave no_save_optim off", "checkpoint.no_save_optim")
-        if config.sync.async_mode:
+        if config.sync.async_mode != "off":
             fail("cluster.release_train", "async mode trains while generating: the train ranks cannot be released",
                  "sync.async_mode")
     if t.balance_by_flops and not t.use_dynamic_batch_size:
