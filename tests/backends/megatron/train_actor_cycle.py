@@ -37,8 +37,9 @@ def weights(actor: TrainActor) -> dict[str, torch.Tensor]:
     return {name: t.detach().float().cpu().clone() for name, t in export_hf_weights(actor.bridge, actor.models)}
 
 
-def rollout(uri: str, groups: int, n: int) -> None:
-    """`groups` groups of `n` samples with rewards that differ inside each group (non-zero advantages)."""
+def rollout(uri: str, groups: int, n: int, advantage: float | None = None) -> None:
+    """`groups` groups of `n` samples with rewards that differ inside each group (non-zero advantages);
+    prompt 3 + response 4 tokens; with `advantage`, each sample carries it in metadata["advantage"]."""
     samples = []
     for g in range(groups):
         for i in range(n):
@@ -46,7 +47,8 @@ def rollout(uri: str, groups: int, n: int) -> None:
             samples.append(Sample(group_index=g, index=g * n + i, prompt="p", tokens=prompt + response,
                                   response="r", response_length=len(response), label="1", reward=float(i % 2),
                                   loss_mask=[1] * len(response), rollout_log_probs=[-1.0] * len(response),
-                                  status=Status.COMPLETED))
+                                  status=Status.COMPLETED,
+                                  metadata={} if advantage is None else {"advantage": advantage}))
     write_samples(uri, samples)
 
 

@@ -15,39 +15,18 @@ for the chunked log-prob pass, one listing the trace files. `no-advantages`: one
 """
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import torch
+from train_actor_cycle import free_port, rollout
 
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.step_data import TrainArrays
 from slime.backends.megatron.train import StepSettings, train_step
 from slime.config import Config
 from slime.ray.train_actor import TrainActor
-from slime.storage import read_samples, write_samples
-from slime.types import Sample, Status
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rollout(uri: str, groups: int, n: int, advantage: float | None = None) -> None:
-    """`groups` groups of `n` samples, prompt 3 + response 4 tokens, rewards alternating 0 and 1."""
-    samples = []
-    for g in range(groups):
-        for i in range(n):
-            prompt, response = [65 + g, 66, 67], [48 + i % 10, 49, 50, 51]
-            samples.append(Sample(group_index=g, index=g * n + i, prompt="p", tokens=prompt + response,
-                                  response="r", response_length=len(response), label="1", reward=float(i % 2),
-                                  loss_mask=[1] * len(response), rollout_log_probs=[-1.0] * len(response),
-                                  status=Status.COMPLETED,
-                                  metadata={} if advantage is None else {"advantage": advantage}))
-    write_samples(uri, samples)
+from slime.storage import read_samples
 
 
 def adam_steps(actor: TrainActor) -> float:
