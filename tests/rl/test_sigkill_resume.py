@@ -134,9 +134,9 @@ def test_sigkill_after_a_checkpoint_resumes_to_the_uninterrupted_weights(tiny_ki
         for proc in started:
             with contextlib.suppress(psutil.Error):
                 ray_dirs |= set(re.findall(r"/tmp/slime-ray-[^/\s]+", " ".join(proc.cmdline())))
+        names = " ".join(describe(p) for p in started)  # before the kill: a dead process has no command line
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
-        names = " ".join(describe(p) for p in started)
         assert "slime.engines.builtin" in names and "router" in names and "TrainActor" in names, names
         assert len(ray_dirs) == 1, ray_dirs  # the run's private Ray temp dir
 
