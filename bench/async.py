@@ -84,7 +84,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
         return statistics.median(values) if values else None
 
     return {"mode": mode, "samples_per_s": samples / wall, "wall_s": wall, "steps": len(records),
-            "trainer_idle_s": median("perf/trainer_idle_s") if mode == "fully" else median("perf/rollout_wait_s"),
+            "trainer_idle_s": median("perf/rollout_wait_s"),
             "engine_idle_s": median("perf/engine_idle_s"),
             "max_staleness": max((r.get("async/staleness/max", 0) for r in records), default=0),
             "reward_mean": statistics.fmean(r.get("rl/reward_mean", 0.0) for r in records)}

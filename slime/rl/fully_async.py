@@ -38,7 +38,7 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, DataFormatError
-from slime.rl.staleness import is_stale, oldest_version
+from slime.rl.staleness import group_oldest_version, is_stale
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
 from slime.rollout.hooks import check_rollout_plugins
@@ -168,8 +168,7 @@ class FullyAsyncRollout:
                                                                                list[list[Sample]], dict[str, Any]]:
         """Block until `batch_groups` finished groups within the bound exist; (kept groups, groups dropped
         since the last batch, the step's metrics). `rollout_id` must be the next batch's id."""
-        t0 = time.monotonic()
-        deadline = None if timeout is None else t0 + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if rollout_id != self.next_rollout_id:
                 raise ValueError(f"take_batch({rollout_id}): the next batch is {self.next_rollout_id}")
@@ -204,7 +203,7 @@ class FullyAsyncRollout:
                         "async/groups/stale_regenerated": counts["stale_regenerated"],
                         "async/groups/interrupted": counts["interrupted"],
                         "async/groups/restarted": counts["restarted"], "async/engine_version": self.engine_version,
-                        "perf/engine_idle_s": idle, "perf/trainer_wait_s": time.monotonic() - t0})
+                        "perf/engine_idle_s": idle})
         return kept, dropped, metrics
 
     def _enforce_bound(self, trainer_version: int) -> None:
@@ -252,7 +251,9 @@ class FullyAsyncRollout:
                     "pristine": {str(k): copy.deepcopy(v) for k, v in self._pristine.items()}}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "fully async state") -> None:
-        """Restore `state_dict()` before `start` (a malformed state changes nothing)."""
+        """Restore `state_dict()` before `start` (a malformed state changes nothing). Without its
+        "data_source" entry the data source is left as it is: the RL loop keeps that state once, at the
+        checkpoint's top level, and restores it before generation starts."""
         if self._thread is not None:
             raise RuntimeError("FullyAsyncRollout.load_state_dict must come before start")
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -270,7 +271,8 @@ class FullyAsyncRollout:
             raise DataFormatError(f"{where}: groups {missing[:5]} have no prompt as drawn (field 'pristine')")
         if next_id != self.next_rollout_id:
             raise DataFormatError(f"{where}: saved before batch {next_id}, resuming at batch {self.next_rollout_id}")
-        self.data_source.load_state_dict(state["data_source"], where=f"{where}: data_source")
+        if "data_source" in state:
+            self.data_source.load_state_dict(state["data_source"], where=f"{where}: data_source")
         self._completed, self._interrupted, self._pristine = completed, interrupted, pristine
         self._dropped = dropped  # written with the next batch, under rollout_dropped/
 
@@ -411,5 +413,6 @@ def _group_index(group: list[Any]) -> int:
 
 
 def _oldest(group: list[Any]) -> int:
-    versions = [v for s in flatten(group) if (v := oldest_version(s)) is not None]
-    return min(versions) if versions else 1 << 62
+    """Sort key: the group's oldest token version (groups without one last)."""
+    oldest = group_oldest_version(flatten(group))
+    return 1 << 62 if oldest is None else oldest

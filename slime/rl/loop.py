@@ -275,10 +275,11 @@ class RLLoop:
             uri, metrics = self._stored_rollout(rollout_id), {}
         elif self.fully_async:  # the finished groups of the generation that never stops
             uri, metrics = ray.get(self.manager.take_batch.remote(rollout_id))
-            metrics["perf/trainer_idle_s"] = time.monotonic() - t0
         else:
             uri, metrics = self._collect(rollout_id)
         wait = time.monotonic() - t0
+        if self.fully_async:
+            metrics["perf/trainer_idle_s"] = wait  # the trainer waiting for finished groups
         if self.config.sync.async_mode == "one_step_off" and rollout_id + 1 < self.num_rollout:
             self._launch(rollout_id + 1)
         if self.offload_rollout and self.manager is not None:
@@ -411,8 +412,9 @@ class RLLoop:
         if self.fully_async:  # paused until the sync: the groups held, consistent with the cursor
             paused = ray.get(self.manager.pause_generation.remote(snapshot=True))
             self._generation_paused = True
-            held = {"fully_async": paused["state"]}
-            state = paused["state"]["data_source"]
+            held = dict(paused["state"])
+            state = held.pop("data_source")  # kept once, as "data_source" below; setup restores it first
+            held = {"fully_async": held}
             self._step(rollout_id).update(paused["metrics"])
         else:
             ref = self._states.get(rollout_id)  # none with --debug-train-only: no data source

@@ -28,10 +28,16 @@ def sample_lag(sample: Sample, trainer_version: int) -> int | None:
     return None if oldest is None else trainer_version - oldest
 
 
+def group_oldest_version(samples: list[Sample]) -> int | None:
+    """The oldest token version over a group's samples (flattened; None when none is recorded)."""
+    versions = [v for s in samples if (v := oldest_version(s)) is not None]
+    return min(versions) if versions else None
+
+
 def group_lag(samples: list[Sample], trainer_version: int) -> int | None:
     """The largest lag of a group's samples (flattened; None when no sample has a recorded version)."""
-    lags = [lag for s in samples if (lag := sample_lag(s, trainer_version)) is not None]
-    return max(lags) if lags else None
+    oldest = group_oldest_version(samples)
+    return None if oldest is None else trainer_version - oldest
 
 
 def is_stale(samples: list[Sample], trainer_version: int, max_lag: int | None) -> bool:

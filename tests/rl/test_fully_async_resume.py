@@ -113,7 +113,8 @@ def test_sigkill_at_three_random_moments_trains_every_prompt_exactly_once(tiny_k
         dropped = store.uri(run, "rollout_dropped", f"{rollout_id:06d}")
         if is_committed(dropped):
             seen += sorted({s.group_index for s in read_samples(dropped)})
-    held = read_training_state(result["last_checkpoint"]).extra_state["fully_async"]
+    extra = read_training_state(result["last_checkpoint"]).extra_state
+    held = extra["fully_async"]
     seen += [g[0]["group_index"] for g in held["completed"] + held["interrupted"] + held["dropped"]]
     assert len(seen) == len(set(seen)), "a group was trained or dropped twice"
-    assert sorted(seen) == list(range(held["data_source"]["sample_group_index"])), "a group was lost"
+    assert sorted(seen) == list(range(extra["data_source"]["sample_group_index"])), "a group was lost"
