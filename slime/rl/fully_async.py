@@ -143,13 +143,8 @@ class FullyAsyncRollout:
         self._raise_error()
         with self._cond:
             self.engine_version = version
-            keep = []
-            for group in self._interrupted:
-                if is_stale(flatten(group), self.next_rollout_id, self.max_lag):
-                    keep += self._handle_stale(group)
-                else:
-                    keep.append(group)
-            self._interrupted = keep
+            fresh, again = self._sift(self._interrupted, self.next_rollout_id)
+            self._interrupted = fresh + again
             self._pause_requested = False
             self._paused.clear()
         self._signal(self._resumed)
@@ -210,26 +205,29 @@ class FullyAsyncRollout:
         """Drop or regenerate finished groups that are too stale for `trainer_version` (lock held)."""
         if self.max_lag is None:
             return
-        keep = []
-        for group in self._completed:
-            if is_stale(flatten(group), trainer_version, self.max_lag):
-                self._interrupted += self._handle_stale(group)
-            else:
-                keep.append(group)
-        if len(keep) != len(self._completed):
-            self._completed = keep
+        fresh, again = self._sift(self._completed, trainer_version)
+        if len(fresh) != len(self._completed):
+            self._completed = fresh
+            self._interrupted += again
             self._signal(self._wake)
 
-    def _handle_stale(self, group: list[Sample]) -> list[list[Sample]]:
-        """Apply the stale policy to one group (lock held); the groups to generate (again)."""
-        if self.stale_policy == "drop":
-            self._counts["stale_dropped"] += 1
-            for s in flatten(group):
-                s.metadata["dropped_reason"] = "stale"
-            self._dropped.append(group)
-            return []
-        self._counts["stale_regenerated"] += 1
-        return [self._restart(group)]
+    def _sift(self, groups: list[list[Sample]], trainer_version: int) -> tuple[list[list[Sample]],
+                                                                              list[list[Sample]]]:
+        """(groups within the bound at `trainer_version`, stale ones restarted from their prompts to generate
+        again); the stale policy is applied to the others: dropped ones go to the dropped list (lock held)."""
+        fresh, again = [], []
+        for group in groups:
+            if not is_stale(flatten(group), trainer_version, self.max_lag):
+                fresh.append(group)
+            elif self.stale_policy == "drop":
+                self._counts["stale_dropped"] += 1
+                for s in flatten(group):
+                    s.metadata["dropped_reason"] = "stale"
+                self._dropped.append(group)
+            else:
+                self._counts["stale_regenerated"] += 1
+                again.append(self._restart(group))
+        return fresh, again
 
     def _restart(self, group: list[Sample]) -> list[Sample]:
         """The group as it was drawn (its prompt, ids and metadata; no tokens)."""
@@ -329,7 +327,8 @@ class FullyAsyncRollout:
                     for task in done - {waiter}:
                         pending.discard(task)
                         self._finish(task.result(), plugins)
-                self._finish_all(await drain(state, pending, urls) if pending else [], plugins)
+                for group in await drain(state, pending, urls) if pending else []:
+                    self._finish(group, plugins)
             except BaseException:
                 if pending:
                     await cancel(state, pending, urls)
@@ -355,10 +354,6 @@ class FullyAsyncRollout:
                 groups += fresh
             self._inflight += len(groups)
             return groups
-
-    def _finish_all(self, groups: list[list[Any]], plugins: Any) -> None:
-        for group in groups:
-            self._finish(group, plugins)
 
     def _finish(self, group: list[Any], plugins: Any) -> None:
         """Sort one returned group: failed, interrupted, filtered out, or finished (lock taken here)."""
