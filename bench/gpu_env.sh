@@ -53,7 +53,7 @@ install() {
   # the parts asked for must be in by now (this call's, and the one before it on this warm machine)
   WANT="$want" "$PY" - <<'PY'
 import importlib, os, sys
-modules = {"1": ("ray", "megatron.core", "mbridge", "math_verify", "aiohttp", "uvloop", "fastapi"),
+modules = {"1": ("ray", "megatron.core", "mbridge", "math_verify", "pylatexenc", "aiohttp", "uvloop", "fastapi"),
            "2": ("prefect", "sglang_router")}
 missing = []
 for part in os.environ["WANT"].split():

@@ -14,8 +14,11 @@ own timing of each loop call:
     engine off/on  the engine releasing its memory after the rollout and taking it back before the sync
     log-probs      recompute of the old (and reference) policy's log-probs (perf/log_probs_time)
     train          the optimizer steps and reading the shards (perf/train_time minus log-probs)
-    train off/on   the train call beyond its own work: the trainer's onload, Ray round trips
-    sync           the weight sync (sync/total_s), and the sync call beyond it: the trainer's offload
+    train on/off   the trainer taking its weights and optimizer state back before training and
+                   parking them after the sync (perf/onload_train_time, perf/offload_train_time)
+    sync           the weight sync (sync/total_s)
+    calls          the train and sync calls beyond all of the above: Ray round trips, the engines'
+                   weight-update bracket (pause, version)
     rest           the iteration's wall time minus all of the above (the loop's own work, metrics line)
 
 and the iteration's ratio to rollout + log-probs + train + sync. Prefect's share is measured by the rl
@@ -39,8 +42,8 @@ from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.data.tiny import TinyKitRecipe, make_datasets, make_tiny_kit
 from slime.rl import RLLoop
 
-PARTS = ("rollout", "engine_offload", "engine_onload", "log_probs", "train", "train_offonload", "sync",
-         "sync_extra", "rest")
+PARTS = ("rollout", "engine_offload", "engine_onload", "log_probs", "train", "train_onload", "train_offload",
+         "sync", "calls", "rest")
 
 
 def workspace(model: str, scratch: Path, dtype: torch.dtype) -> tuple[str, str]:
@@ -78,15 +81,18 @@ def breakdown(record: dict[str, Any], calls: dict[str, float]) -> dict[str, floa
     train_time = record.get("perf/train_time", 0.0)
     sync = record.get("sync/total_s", 0.0)
     onload = record.get("perf/onload_rollout_time", 0.0)
+    train_onload = record.get("perf/onload_train_time", 0.0)
+    train_offload = record.get("perf/offload_train_time", 0.0)
     parts = {
         "rollout": record.get("rollout/time_s", 0.0),
         "engine_offload": record.get("perf/offload_rollout_time", 0.0),
         "engine_onload": onload,
         "log_probs": log_probs,
         "train": train_time - log_probs,
-        "train_offonload": calls["train"] - train_time,
+        "train_onload": train_onload,
+        "train_offload": train_offload,
         "sync": sync,
-        "sync_extra": calls["sync"] - sync - onload,
+        "calls": calls["train"] - train_time - train_onload + calls["sync"] - sync - onload - train_offload,
     }
     parts["rest"] = calls["wall"] - sum(parts.values())
     parts["wall"] = calls["wall"]
@@ -111,6 +117,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="slime-rl-step-"))
+    scratch.mkdir(parents=True, exist_ok=True)
     model_dir, prompts = workspace(args.model, scratch, torch.bfloat16 if cuda else torch.float32)
     config = build_config(args, model_dir, prompts, str(scratch / "store"), cuda)
     loop = RLLoop(config)

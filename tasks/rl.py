@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -104,16 +104,18 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
                                         description=f"RL iterations of run {run_id}")
     rows = [table_row(r) for i, r in sorted(read_metrics(loop.metrics_uri, loop.store.storage_options).items())
             if i < loop.start_rollout_id]  # iterations of an earlier attempt, kept by the resume
+    table_s = 0.0  # the previous iteration's table artifact, counted in this iteration's prefect_s
     for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
-        started, inside = time.perf_counter(), 0.0
+        started, inside, tasks_s = time.perf_counter(), 0.0, 0.0
 
         def step(name: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            nonlocal inside
+            nonlocal inside, tasks_s
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
             spent = time.perf_counter() - t0
             phases.seconds[name] = round(phases.seconds.get(name, 0.0) + spent, 3)
             inside += result["step_s"]
+            tasks_s += spent - result["step_s"]
             return result
 
         if loop.eval_due(rollout_id, before_train=True):
@@ -127,13 +129,22 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
         step("sync", sync_step, loop, rollout_id)
         if loop.eval_due(rollout_id):
             step("eval", eval_step, loop, rollout_id)
+        t0 = time.perf_counter()
         record = loop.log_step(rollout_id)
-        rows.append(table_row(record, time.perf_counter() - started - inside))
+        inside += time.perf_counter() - t0  # the loop's own bookkeeping, not Prefect's
+        t0 = time.perf_counter()
         done = (rollout_id + 1) / loop.num_rollout
         update_progress_artifact(progress, 100.0 * done,
                                  description=f"run {run_id}: iteration {rollout_id + 1} of {loop.num_rollout}")
+        artifacts_s = time.perf_counter() - t0 + table_s
+        prefect_s = time.perf_counter() - started - inside + table_s
+        get_run_logger().info("iteration %d: Prefect %.3f s (task calls beyond their steps %.3f s, artifacts %.3f s, "
+                    "other %.3f s)", rollout_id, prefect_s, tasks_s, artifacts_s, prefect_s - tasks_s - artifacts_s)
+        rows.append(table_row(record, prefect_s))
+        t0 = time.perf_counter()
         create_table_artifact(rows, key=artifact_key(run_id, "rl", "metrics"),
                               description=f"RL metrics per iteration, run {run_id} (prefect_s: orchestration)")
+        table_s = time.perf_counter() - t0
     return rows
 
 

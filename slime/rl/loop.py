@@ -304,11 +304,16 @@ class RLLoop:
         """Train on the shard set `uri`; the train group's global metrics."""
         if self.train_group is None:  # --debug-rollout-only
             return {"rollout_id": rollout_id, "trained": False}
+        onload = None
         if self.train_group.released:  # --release-train: new ranks from the last rollout's checkpoint
             self.train_group.recreate(rollout_id)
         elif self.offload_train:
+            t0 = time.monotonic()
             self.train_group.onload()
+            onload = time.monotonic() - t0
         metrics = self.train_group.train(rollout_id, uri)
+        if onload is not None:
+            metrics["perf/onload_train_time"] = onload
         self._step(rollout_id).update(metrics)
         return {"rollout_id": rollout_id, **jsonable(metrics)}
 
@@ -348,7 +353,9 @@ class RLLoop:
         if self.config.cluster.release_train and self.train_group is not None:  # slime: ranks gone until train
             self.train_group.release()
         elif self.offload_train and self.train_group is not None:
+            t0 = time.monotonic()
             self.train_group.offload()
+            metrics["perf/offload_train_time"] = time.monotonic() - t0
         metrics["weight_version"] = self.weight_version
         self._step(rollout_id).update(metrics)
         return {"rollout_id": rollout_id, "synced": synced, "weight_version": self.weight_version,

@@ -179,6 +179,13 @@ def _set_main_param_and_states(self: Any, model_param: torch.nn.Parameter, tenso
                 value.copy_(tensors[key])
 
 
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron (chained) optimizer, whose param groups hold the fp32 main
+    parameters under mixed precision and whose state holds the moments."""
+    return [inner.optimizer for inner in _leaves(optimizer)
+            if getattr(inner, "optimizer", None) is not None and not getattr(inner, "is_stub_optimizer", False)]
+
+
 def _leaves(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 

@@ -25,6 +25,7 @@ from slime import __version__
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
+from slime.offload import HostParking, module_slots
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class BuiltinEngine:
         self.scheduler.weight_version = args.weight_version
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
         self.checker = WeightChecker(self.model)  # /weights_checker
+        self.parking = HostParking()  # the weights' pinned host twins while the memory is released
         self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
         self._rid_prefix, self._rid_counter = uuid.uuid4().hex[:16], itertools.count()
         self.scheduler.start()
@@ -265,18 +267,20 @@ class BuiltinEngine:
         return result
 
     def release_memory(self) -> None:
-        """Give back accelerator memory (weights to host); refused while requests are in flight."""
+        """Give back accelerator memory (weights to pinned host twins kept between releases, `slime.offload`);
+        refused while requests are in flight."""
         if self.scheduler.busy:
             raise BadRequestError("cannot release memory while requests are running; pause and abort first")
         self.scheduler.set_released(True)
         if self.device.type == "cuda":  # the slot cache and its graphs point at the old weights: rebuilt later
-            self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(), self.model.to("cpu"))).result()
+            self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(),
+                                                self.parking.park(module_slots(self.model)))).result()
             with torch.cuda.device(self.device):  # this HTTP worker thread's current device may be another
                 torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         if self.device.type == "cuda":
-            self.scheduler.run_command(lambda: self.model.to(self.device)).result()
+            self.scheduler.run_command(self.parking.unpark).result()
         self.scheduler.set_released(False)
 
     def model_info(self) -> dict[str, Any]:
