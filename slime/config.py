@@ -297,6 +297,9 @@ class RewardConfig(_Section):
     custom_rm_path: str | None = None
     group_rm: bool = False
     reward_key: str | None = Field(None, description="entry of a dict reward to train on")
+    grading_processes: int | None = Field(
+        None, ge=1, description="child processes that grade sympy/math-verify answers in parallel, each call with "
+                                "its time limit (None: half the CPU cores, at most 8)")
     custom_reward_post_process_path: str | None = None
     custom_convert_samples_to_train_data_path: str | None = Field(
         None, description="fn(args, samples) -> slime's train_data dict (rewards, loss_masks, ...): replaces the "

@@ -3,15 +3,17 @@
 sympy (`simplify`, LaTeX parsing) can run for minutes on a hostile answer (`9^{9^{9}}`, a huge
 polynomial). slime bounds nothing; math-verify bounds its work with SIGALRM, which only the main thread
 of a process may set, and rewards here run in Prefect task threads, Ray actor threads and event loops.
-A Python thread cannot be stopped from outside, so the work goes to one child process per parent
-process (`python -c "from slime.rollout.rewards.grading_process import serve; serve()"`), spoken to in JSON lines over its stdin
-and stdout: `{"fn": "pkg.mod.function", "args": [...]}` -> `{"result": ...}` or `{"error": "..."}`.
-A call that is not answered within its limit kills the child (by its PID) and raises GradingTimeout;
-the next call starts a fresh one (~0.5 s: Python, sympy, math-verify imports).
+A Python thread cannot be stopped from outside, so the work goes to child processes
+(`python -c "from slime.rollout.rewards.grading_process import serve; serve()"`), spoken to in JSON
+lines over their stdin and stdout: `{"fn": "pkg.mod.function", "args": [...]}` -> `{"result": ...}` or
+`{"error": "..."}`. A call takes an idle child of a small pool (`reward.grading_processes`, default half
+the cores up to 8), so that the answers of a rollout, which often finish together, are graded in
+parallel. A call that is not answered within its limit kills its child (by its PID) and raises
+GradingTimeout; a later call starts a fresh one (~0.5 s: Python, sympy, math-verify imports).
 
-The child never outlives its parent: it exits at EOF on stdin (the parent closed the pipe or died)
+A child never outlives its parent: it exits at EOF on stdin (the parent closed the pipe or died)
 and, should a grandchild hold the pipe open, when it finds itself re-parented. An `atexit` hook in
-the parent stops it on a normal exit.
+the parent stops them on a normal exit.
 """
 
 from __future__ import annotations
@@ -97,48 +99,103 @@ class _Child:
                 stream.close()
 
 
-_lock = threading.Lock()
-_child: _Child | None = None
+def default_max_processes() -> int:
+    """Half the machine's cores, 1 to 8: a rollout's samples often finish together (every response cut at
+    the same length), and one child grading 256 answers one after another was seconds of the step."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+_available = threading.Condition()  # guards the pool below; waited on while every child is busy
+_idle: list[_Child] = []  # children waiting for a call, the most recently used last
+_started: set[_Child] = set()  # every child of this pool, idle or busy
+_pool_pid = os.getpid()
+_max_processes = default_max_processes()
+
+
+def set_max_processes(n: int | None) -> None:
+    """Size the pool (`reward.grading_processes`; None: `default_max_processes()`). Children beyond a
+    smaller size are stopped as they come back idle."""
+    global _max_processes
+    with _available:
+        _max_processes = default_max_processes() if n is None else max(1, int(n))
+        _available.notify_all()
+
+
+def _acquire() -> _Child:
+    """An idle child, a new one while the pool has room, or the next one a caller gives back."""
+    global _pool_pid
+    with _available:
+        if _pool_pid != os.getpid():  # a forked copy of this process: its parent's children are not ours
+            _idle.clear()
+            _started.clear()
+            _pool_pid = os.getpid()
+        while True:
+            while _idle and len(_started) > _max_processes:  # the pool was made smaller
+                extra = _idle.pop(0)
+                _started.discard(extra)
+                extra.stop()
+            while _idle:
+                child = _idle.pop()
+                if child.popen.poll() is None:
+                    return child
+                _started.discard(child)  # died between calls
+                child.stop()
+            if len(_started) < _max_processes:
+                break
+            _available.wait()
+    child = _Child()  # outside the lock: starting Python takes a while
+    with _available:
+        _started.add(child)
+    return child
+
+
+def _release(child: _Child, alive: bool) -> None:
+    with _available:
+        if alive and child in _started and len(_started) <= _max_processes:
+            _idle.append(child)
+        else:
+            _started.discard(child)
+            if alive:
+                child.stop()
+        _available.notify()
 
 
 def call_with_timeout(fn: str, args: list[Any], timeout_s: float | None = None) -> Any:
-    """`fn(*args)` run in the grading child (`fn` a dotted path, `args` and result JSON values).
+    """`fn(*args)` run in a grading child (`fn` a dotted path, `args` and result JSON values).
 
-    Raises GradingTimeout after `timeout_s` (default GRADE_TIMEOUT_S; the child is killed and replaced
-    on the next call), and GradingProcessError when `fn` raises or the child dies. Calls from several
-    threads take turns.
+    Raises GradingTimeout after `timeout_s` (default GRADE_TIMEOUT_S; that child is killed and replaced
+    on a later call), and GradingProcessError when `fn` raises or the child dies. Calls from several
+    threads run in parallel on up to `set_max_processes` children and wait for one beyond that.
     """
-    global _child
     timeout_s = GRADE_TIMEOUT_S if timeout_s is None else timeout_s
-    with _lock:
-        # a forked copy of this process must not share its parent's child (their answers would mix)
-        if _child is None or _child.owner != os.getpid() or _child.popen.poll() is not None:
-            _child = _Child()
-        try:
-            return _child.call(fn, args, timeout_s)
-        except GradingTimeout:
-            _child.stop()
-            _child = None
-            raise
-        except OSError as exc:  # a broken pipe: the child died between calls
-            _child.stop()
-            _child = None
-            raise GradingProcessError(f"the grading process died: {exc}") from exc
-        except GradingProcessError:
-            if _child.popen.poll() is not None:  # it died; a grader that raised leaves it running
-                _child.stop()
-                _child = None
-            raise
+    child = _acquire()
+    alive = True
+    try:
+        return child.call(fn, args, timeout_s)
+    except GradingTimeout:
+        alive = False
+        raise
+    except OSError as exc:  # a broken pipe: the child died between calls
+        alive = False
+        raise GradingProcessError(f"the grading process died: {exc}") from exc
+    except GradingProcessError:
+        alive = child.popen.poll() is None  # a grader that raised leaves it running
+        raise
+    finally:
+        if not alive:
+            child.stop()
+        _release(child, alive)
 
 
 @atexit.register
 def stop_grading_process() -> None:
-    """Stop the grading child, if one runs (also at interpreter exit)."""
-    global _child
-    with _lock:
-        if _child is not None and _child.owner == os.getpid():
-            _child.stop()
-        _child = None
+    """Stop every grading child of this process (also at interpreter exit)."""
+    with _available:
+        children = list(_started) if _pool_pid == os.getpid() else []
+        _idle.clear()
+        _started.clear()
+    for child in children:
+        child.stop()
 
 
 def _exit_when_orphaned(parent: int) -> None:

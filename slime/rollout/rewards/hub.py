@@ -28,6 +28,7 @@ from slime.rollout.rewards.dapo import dapo_reward
 from slime.rollout.rewards.deepscaler import deepscaler_reward
 from slime.rollout.rewards.f1 import f1_reward
 from slime.rollout.rewards.gpqa import gpqa_reward
+from slime.rollout.rewards.grading_process import set_max_processes
 from slime.rollout.rewards.math_rm import math_reward, math_verify_reward
 from slime.rollout.rewards.remote import make_rm_client, remote_reward
 from slime.types import Sample, Status
@@ -124,7 +125,10 @@ async def compute_reward(args: Any, sample: Sample, *, client: EngineClient | No
     if rm_type == "random":
         return float(random.randint(0, 1))
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    return _checked(RULE_REWARDS[rm_type](response, sample.label, metadata), f"rm_type {rm_type}")
+    # off the event loop: a grader (sympy, math-verify in the grading processes) takes milliseconds to
+    # seconds, and the loop meanwhile streams every other request of the rollout
+    reward = await asyncio.to_thread(RULE_REWARDS[rm_type], response, sample.label, metadata)
+    return _checked(reward, f"rm_type {rm_type}")
 
 
 def _one_reward(rewards: Any, expected: int, source: str) -> list[Any]:
@@ -211,9 +215,11 @@ def check_reward_config(args: Any) -> None:
     `args` is a `Config` or the flat namespace plugins see. Checks: the rm_type is known (closest-match
     suggestion), remote_rm has an rm_url, and a custom_rm_path imports and is an `async def` taking
     `(args, sample)` (or `(args, samples)` with group_rm). Raises ConfigError (PluginError for the path).
+    Also sizes the grading process pool (`reward.grading_processes`).
     """
     if hasattr(args, "as_namespace"):
         args = args.as_namespace()
+    set_max_processes(_flag(args, "grading_processes"))
     custom = _flag(args, "custom_rm_path")
     if custom:
         fn = load_function(custom)

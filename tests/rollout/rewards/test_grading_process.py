@@ -106,3 +106,21 @@ def test_the_child_exits_when_its_parent_is_killed():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_pool_grades_in_parallel_up_to_its_size(monkeypatch):
+    """Two children: two slow calls overlap, and eight callers share the two processes."""
+    monkeypatch.setattr(grading_process, "_max_processes", grading_process._max_processes)
+    grading_process.set_max_processes(2)
+    with ThreadPoolExecutor(2) as pool:  # both children up (and warm) before timing
+        list(pool.map(lambda _: call_with_timeout("time.sleep", [0.2]), range(2)))
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: call_with_timeout("time.sleep", [1.0]), range(2)))
+    assert time.monotonic() - start < 1.8  # in turn they would take 2 s
+    with ThreadPoolExecutor(8) as pool:
+        pids = set(pool.map(lambda _: call_with_timeout("os.getpid", []), range(40)))
+    assert 1 <= len(pids) <= 2
+    grading_process.set_max_processes(1)  # a smaller pool stops the extra child as it comes back
+    assert len({call_with_timeout("os.getpid", []) for _ in range(4)}) == 1
+    assert len(grading_process._started) == 1

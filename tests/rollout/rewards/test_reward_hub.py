@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from argparse import Namespace
 
 import pytest
@@ -204,3 +205,42 @@ def test_custom_path_that_fails_to_load_at_run_time_fails_samples_not_the_call()
     assert batch[0].status is Status.FAILED
     assert batch[0].metadata["reward_error"].startswith("PluginError: plugin 'no_such_mod_xyz.rm': cannot import")
 
+
+
+def test_rule_rewards_grade_off_the_event_loop(monkeypatch):
+    """A slow grader must not stall the loop that streams the rollout's other requests: while four answers
+    are graded (0.3 s each), a ticker on the same loop keeps running, and the four overlap."""
+    from slime.rollout.rewards import hub
+
+    def slow_math(response, label, metadata):
+        time.sleep(0.3)
+        return 1.0
+
+    monkeypatch.setitem(hub.RULE_REWARDS, "math", slow_math)
+    ticks = []
+
+    async def run():
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        tick = asyncio.create_task(ticker())
+        started = time.monotonic()
+        await reward_samples(args(rm_type="math"), samples(*[("1", "1")] * 4))
+        tick.cancel()
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(run())
+    assert elapsed < 1.0  # 4 x 0.3 s in sequence would be 1.2 s
+    assert len(ticks) >= 8 and max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.2
+
+
+def test_the_config_sizes_the_grading_pool(monkeypatch):
+    from slime.rollout.rewards import grading_process
+
+    monkeypatch.setattr(grading_process, "_max_processes", grading_process._max_processes)
+    check_reward_config(args(rm_type="math", grading_processes=3))
+    assert grading_process._max_processes == 3
+    check_reward_config(args(rm_type="math", grading_processes=None))
+    assert grading_process._max_processes == grading_process.default_max_processes()
