@@ -300,9 +300,12 @@ class FullyAsyncRollout:
         args = self.args
         plugins = check_rollout_plugins(args)
         url = router_url(args)
-        urls = await worker_urls(engine_client(), url)
-        if not urls:
-            raise RolloutEngineError(f"router {url} has no worker registered")
+
+        async def listed() -> list[str]:
+            """The router's workers now: fault tolerance replaces a dead engine by one on a new port, which
+            is registered when it holds the current weights (at once, or by the next weight update)."""
+            return await worker_urls(engine_client(), url)
+
         params = sampling_params_from_args(args)
         assert self._wake is not None and self._resumed is not None
         while True:
@@ -310,6 +313,9 @@ class FullyAsyncRollout:
             self._resumed.clear()
             if self._stopping:
                 return
+            urls = await listed()  # each round: an engine registered by the last weight update is in it
+            if not urls:
+                raise RolloutEngineError(f"router {url} has no worker registered")
             state = GenerateState(args, plugins, len(urls), rollout_id=self.next_rollout_id)
             self._counted = 0
             pending: set[asyncio.Task] = set()
@@ -327,7 +333,7 @@ class FullyAsyncRollout:
                     for task in done - {waiter}:
                         pending.discard(task)
                         self._finish(task.result(), plugins)
-                for group in await drain(state, pending, urls) if pending else []:
+                for group in await drain(state, pending, urls, refresh=listed) if pending else []:
                     self._finish(group, plugins)
             except BaseException:
                 if pending:
