@@ -21,6 +21,8 @@ Staleness is bounded twice (slime.rl.staleness has the version arithmetic):
   (`stale_policy`), counted in the metrics; the finished groups are handed out oldest first.
 A group interrupted by a pause continues with its tokens under the new weights when `partial` (slime's
 `--partial-rollout`; each token keeps its version), else it starts again from its prompt.
+The engines are the router's workers, listed again at every resume and before every abort of a pause, so
+an engine that fault tolerance restarted on a new port is aborted with the others once it is registered.
 
 Every group drawn is, at any time, in exactly one place: a taken batch, the dropped list of a batch
 (filtered, failed, stale), or held here (`state_dict`, dropped ones not yet written included), so a checkpoint taken while paused together
