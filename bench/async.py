@@ -2,13 +2,16 @@
 
     python bench/async.py --model tiny --prompts 4 --samples 4 --max-new-tokens 48            # CPU
     python bench/async.py --model 0.5b --prompts 32 --samples 8 --max-new-tokens 1024     # two GPUs
+    python bench/async.py --model 0.5b --prompts 32 --samples 8 --max-new-tokens 1024 --share-gpu   # one GPU
 
 Each mode runs `slime.rl.RLLoop` (Ray, one train rank, one built-in engine behind the real sglang-router,
 no Prefect) for `--warmup` + `--iterations` GRPO steps on the same model, prompts and seed, with a sync
 every step; the configuration is rollout-bound (long responses, a small model to train). The engine and
 the trainer are separate Ray actors: on GPUs one each (async modes cannot release the engine's memory while
-training; sharing one GPU through Ray's fractional GPUs needs a placement this project does not build
-yet), on the CPU they share the cores. Throughput is the samples of the measured steps over their wall time (from the first
+training), or with `--share-gpu` both on one GPU, each resident with its fraction of it (`cluster.share_gpu`,
+`--train-gpu-fraction`/`--rollout-gpu-fraction`, 0.5 each by default); every mode then runs on that same
+placement (weights synced by tensor), so the comparison is like for like. On the CPU they share the
+cores. Throughput is the samples of the measured steps over their wall time (from the first
 measured step's start to the last one's metrics line). Also reported per mode: median trainer idle (waiting
 for a batch), median engine idle (fully async: nothing in flight), the largest staleness trained on and
 the mean reward of the measured steps (learning is the same when these agree). Prints a table and one
@@ -40,6 +43,9 @@ def build_config(args: argparse.Namespace, mode: str, model_dir: str, prompts: s
     cluster: dict[str, Any] = {"colocate": False, "offload_rollout": False, "offload_train": False}
     if cuda:
         cluster.update(actor_num_gpus_per_node=1, rollout_num_gpus=1)
+    if args.share_gpu:  # the same one-GPU placement in every mode
+        cluster.update(share_gpu=True, train_gpu_fraction=args.train_gpu_fraction,
+                       rollout_gpu_fraction=args.rollout_gpu_fraction)
     return Config.model_validate({
         "run": {"store": store, "run_id": f"async-{mode}", "seed": 1},
         "cluster": cluster,
@@ -60,7 +66,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
              cuda: bool) -> dict[str, Any]:
     """One mode's run; its throughput and idle figures over the measured steps."""
     config = build_config(args, mode, model_dir, prompts, str(scratch / "store"), cuda)
-    loop = RLLoop(config, num_gpus=2 if cuda else 0)
+    loop = RLLoop(config, num_gpus=(1 if args.share_gpu else 2) if cuda else 0)
     records: list[dict[str, Any]] = []
     try:
         loop.setup()
@@ -101,6 +107,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--max-lag", type=int, default=1, help="fully async: --max-policy-version-lag")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="train rank and engine on one GPU, both resident (cluster.share_gpu), in every mode")
+    parser.add_argument("--train-gpu-fraction", type=float, help="--share-gpu: the train rank's part (0.5)")
+    parser.add_argument("--rollout-gpu-fraction", type=float, help="--share-gpu: the engine's part (0.5)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     rows = []
@@ -118,7 +128,8 @@ def main() -> None:
         trainer = "-" if r["trainer_idle_s"] is None else f"{r['trainer_idle_s']:.2f}"
         print(f"{r['mode']:<14}{r['samples_per_s']:>11.2f}{ratio:>9.2f}{trainer:>14}{engine:>13}"
               f"{r['max_staleness']:>9}{r['reward_mean']:>8.3f}")
-    print(json.dumps({"model": args.model, "device": "cuda" if cuda else "cpu", "rows": rows}))
+    print(json.dumps({"model": args.model, "device": "cuda" if cuda else "cpu", "share_gpu": args.share_gpu,
+                      "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -169,6 +169,9 @@ class RunConfig(_Section):
         return value
 
 
+DEFAULT_GPU_FRACTION = 0.5  # share_gpu: each side's part of a shared GPU unless set
+
+
 class ClusterConfig(_Section):
     """Placement of train actors and rollout engines (slime's cluster flags)."""
 
@@ -184,6 +187,13 @@ class ClusterConfig(_Section):
     release_train: bool = Field(False, description="`slime rl`: end the train rank processes after each sync and "
                                                     "start new ones from the rollout's checkpoint (saved every "
                                                     "rollout) before the next train step")
+    share_gpu: bool = Field(False, description="decoupled, but each engine on a train rank's GPU (bundle), both "
+                                               "resident with a fraction of it (train_gpu_fraction, "
+                                               "rollout_gpu_fraction): async modes on one GPU (docs/ray.md)")
+    train_gpu_fraction: float | None = Field(None, gt=0, lt=1, description="share_gpu: the Ray GPU request and the "
+                                                                           "torch memory cap of each train rank; None: 0.5")
+    rollout_gpu_fraction: float | None = Field(None, gt=0, lt=1, description="share_gpu: the Ray GPU request and the "
+                                                                             "memory budget of each engine; None: 0.5")
     ray_address: str | None = Field(None, description="join an existing Ray cluster; None starts a local one")
     distributed_timeout_minutes: int = Field(10, ge=1, description="the train ranks' torch.distributed timeout")
 
@@ -197,6 +207,15 @@ class ClusterConfig(_Section):
                 raise ValueError(f"offload is set but {off[0]} is false: offload means both offloads")
             data = {**data, "offload_train": True, "offload_rollout": True}
         return data
+
+    @property
+    def same_gpus(self) -> bool:
+        """Train ranks and engines on the same GPUs (colocate or share_gpu): weight sync `auto` is tensor."""
+        return self.colocate or self.share_gpu
+
+    def gpu_fractions(self) -> tuple[float, float]:
+        """(train, rollout) fraction of a shared GPU (share_gpu), defaults filled in."""
+        return (self.train_gpu_fraction or DEFAULT_GPU_FRACTION, self.rollout_gpu_fraction or DEFAULT_GPU_FRACTION)
 
 
 class CheckpointConfig(_Section):
@@ -561,7 +580,7 @@ class SyncConfig(_Section):
     update_weight_disk_dir: str | None = Field(None, description="disk mode: where weights are written "
                                                 "(default: a temporary directory)")
     weight_sync_mode: Literal["auto", "disk", "tensor", "distributed"] = Field(
-        "auto", description="auto: tensor when colocated, distributed otherwise (docs/sync.md)")
+        "auto", description="auto: tensor when colocated or share_gpu, distributed otherwise (docs/sync.md)")
     weight_sync_timeout_s: float = Field(600.0, gt=0, description="distributed mode: process-group timeout")
     update_weight_transport: Literal["nccl", "disk"] | None = Field(
         None, description="slime's carrier flag: nccl is weight_sync_mode distributed, disk is disk; None: "
@@ -730,6 +749,11 @@ class Config(BaseModel):
                 raise ConfigError(f"unknown config section {name!r}; sections: {list(type(self).model_fields)}")
         payload = {name: _dump(getattr(self, name)) for name in names}
         return stable_hash(payload)
+
+    def sglang_arg(self, name: str) -> Any:
+        """The SGLang pass-through flag `name` (underscored, `mem_fraction_static`), however its key was
+        spelt (`--sglang-mem-fraction-static`, a YAML `mem-fraction-static`); None when not given."""
+        return next((v for k, v in self.sglang.items() if str(k).replace("-", "_") == name), None)
 
     def sft_train(self) -> TrainConfig:
         """The `train` section as SFT uses it: with the sft_lr/sft_min_lr/... overrides applied."""
@@ -1189,6 +1213,37 @@ def check_async_mode(config: Config, fail: Any) -> None:
              f"{sync.max_policy_version_lag}", "sync.async_mode", "sync.update_weights_interval")
 
 
+def _check_share_gpu(config: Config, fail: Any) -> None:
+    """cluster.share_gpu: both sides stay resident on one GPU, so their parts must fit it and nothing may
+    offload; NCCL refuses two ranks of one communicator on one GPU, so weights go by tensor (or disk)."""
+    c = config.cluster
+    if not c.share_gpu:
+        for name in ("train_gpu_fraction", "rollout_gpu_fraction"):
+            if getattr(c, name) is not None:
+                fail(f"cluster.{name}", "applies only with cluster.share_gpu (--share-gpu): set it, or unset "
+                     f"{name}")
+        return
+    if c.colocate:
+        fail("cluster.share_gpu", "share_gpu keeps train ranks and engines resident side by side, colocate makes "
+             "them take turns (offload): choose one", "cluster.colocate")
+    for name in ("offload_train", "offload_rollout"):
+        if getattr(c, name):
+            fail("cluster.share_gpu", f"share_gpu keeps both sides resident: {name} (or offload) cannot be set with "
+                 "it", f"cluster.{name}", "cluster.offload")
+    train, rollout = c.gpu_fractions()
+    if train + rollout > 1:
+        fail("cluster.share_gpu", f"train_gpu_fraction {train:g} + rollout_gpu_fraction {rollout:g} = "
+             f"{train + rollout:g} is more than one GPU", "cluster.train_gpu_fraction", "cluster.rollout_gpu_fraction")
+    if config.sync.weight_sync_mode == "distributed":
+        fail("sync.weight_sync_mode", "distributed (NCCL) sync cannot run between a train rank and an engine on "
+             "the same GPU (NCCL refuses two ranks on one device) under cluster.share_gpu: use auto (tensor) or "
+             "disk", "cluster.share_gpu", "sync.update_weight_transport")
+    static = config.sglang_arg("mem_fraction_static")
+    if config.engine.engine == "sglang" and static is not None and float(static) > rollout:
+        fail("sglang.mem_fraction_static", f"{static} is above the engine's part of the shared GPU, "
+             f"rollout_gpu_fraction {rollout:g}", "cluster.rollout_gpu_fraction")
+
+
 def _validate(config: Config, where: dict[str, str]) -> None:
     """Checks that span fields; each message names the fields and where they were set."""
 
@@ -1250,6 +1305,7 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if t.lr_decay_style == "WSD" and t.lr_wsd_decay_iters is None:
             fail(field("lr_decay_style"), "WSD needs lr_wsd_decay_iters (length of the decay phase)")
     check_async_mode(config, fail)
+    _check_share_gpu(config, fail)
     if config.sync.async_mode != "off" and config.cluster.colocate:
         fail("sync.async_mode", f"async ({config.sync.async_mode}) generation needs separate train and rollout "
              "GPUs: it cannot be combined with colocate", "cluster.colocate")

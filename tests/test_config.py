@@ -211,3 +211,40 @@ def test_lora_refuses_partial_training_lists_and_an_adapter_without_rank():
         load_config(None, ["--lora-rank", "8", "--only-train-params-name-list", "mlp"])
     with pytest.raises(ConfigError, match="--lora-adapter-path: lora.lora_adapter_path: .* set lora_rank"):
         load_config(None, ["--lora-adapter-path", "runs/x/sft/checkpoint"])
+
+
+def test_share_gpu_fractions_and_what_they_imply():
+    from slime.engines.fleet import engine_memory_limit
+    from slime.sync import resolve_mode
+
+    config = load_config(None, ["--share-gpu", "--train-gpu-fraction", "0.6", "--rollout-gpu-fraction", "0.4",
+                                "--async-mode", "fully"])
+    assert config.cluster.gpu_fractions() == (0.6, 0.4) and not config.cluster.colocate
+    assert resolve_mode(config.sync, config.cluster.same_gpus) == "tensor"  # NCCL cannot pair ranks on one GPU
+    assert engine_memory_limit(config) == 0.4  # the built-in engine's whole cap
+    sglang = load_config(None, ["--share-gpu", "--engine", "sglang"])
+    assert sglang.cluster.gpu_fractions() == (0.5, 0.5)
+    assert engine_memory_limit(sglang) == 0.4  # SGLang's flag counts weights and KV cache only
+    given = load_config(None, ["--share-gpu", "--engine", "sglang", "--sglang-mem-fraction-static", "0.3"])
+    assert engine_memory_limit(given) == 0.3
+    assert engine_memory_limit(load_config(None, [])) is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--share-gpu", "--colocate"], r"cluster.share_gpu: .*colocate makes them take turns.*choose one"),
+    (["--share-gpu", "--offload-rollout"], r"offload_rollout \(or offload\) cannot be set"),
+    (["--share-gpu", "--offload"], r"offload_train \(or offload\) cannot be set"),
+    (["--share-gpu", "--train-gpu-fraction", "0.6", "--rollout-gpu-fraction", "0.5"],
+     r"train_gpu_fraction 0.6 \+ rollout_gpu_fraction 0.5 = 1.1 is more than one GPU"),
+    (["--share-gpu", "--train-gpu-fraction", "0.7"], r"0.7 \+ rollout_gpu_fraction 0.5 = 1.2"),
+    (["--rollout-gpu-fraction", "0.3"], r"--rollout-gpu-fraction: cluster.rollout_gpu_fraction: applies only with "
+                                        r"cluster.share_gpu"),
+    (["--share-gpu", "--weight-sync-mode", "distributed"], r"NCCL refuses two ranks on one device"),
+    (["--share-gpu", "--update-weight-transport", "nccl"], r"NCCL refuses two ranks on one device"),
+    (["--share-gpu", "--engine", "sglang", "--sglang-mem-fraction-static", "0.7"],
+     r"sglang.mem_fraction_static: 0.7 is above the engine's part of the shared GPU, rollout_gpu_fraction 0.5"),
+    (["--share-gpu", "--rollout-gpu-fraction", "1"], r"rollout_gpu_fraction"),
+])
+def test_share_gpu_refuses_what_one_gpu_cannot_hold(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, argv)

@@ -143,6 +143,23 @@ def _visible_devices(devices: list[int]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+SGLANG_STATIC_OF_SHARE = 0.8  # share_gpu: SGLang's static memory (weights + KV) within the engine's part
+
+
+def engine_memory_limit(config: Config) -> float | None:
+    """The `--mem-fraction-static` an engine gets when it shares its GPU with a train rank (`cluster.share_gpu`):
+    the built-in engine's whole memory cap (its slot KV cache is sized to fit), or for SGLang, whose flag
+    counts weights and KV cache only (CUDA graphs and activations come on top), 0.8 of the engine's part
+    unless `--sglang-mem-fraction-static` sets it. None when not sharing."""
+    if not config.cluster.share_gpu:
+        return None
+    rollout = config.cluster.gpu_fractions()[1]
+    if config.engine.engine == "sglang":
+        given = config.sglang_arg("mem_fraction_static")
+        return float(given) if given is not None else round(rollout * SGLANG_STATIC_OF_SHARE, 4)
+    return rollout
+
+
 def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, devices: list[int],
                   keep: Any = None) -> str:
     """Start engine `index` of a fleet in this process (built-in or SGLang, bound to `engine.engine_host`,
@@ -154,13 +171,17 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
 
     c, host = config, config.engine.engine_host
     keep = keep or (lambda server: None)
+    limit = engine_memory_limit(c) if devices else None  # on the CPU there is no GPU to share
     if c.engine.engine == "sglang":
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
-        engine = SGLangEngine(model_dir, sglang_args=c.sglang, log_path=log_path, env=env, host=host)
+        sglang_args = c.sglang if limit is None else {**c.sglang, "mem_fraction_static": limit}
+        engine = SGLangEngine(model_dir, sglang_args=sglang_args, log_path=log_path, env=env, host=host)
         keep(engine)
         return reachable_url(engine.start().url, host)
+    extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
     with _launch_lock, _visible_devices(devices):
-        server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index)
+        server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,
+                                           extra_args=extra)
     keep(server)
     return reachable_url(url, host)
 

@@ -5,6 +5,7 @@ or `{"CPU": 1}` when the Ray cluster has no GPU at all (CPU mode: same layout, C
 
     decoupled   bundles = train + rollout; train ranks on bundles [0, train), engines after them
     colocate    bundles = max(train, rollout); train ranks and engines both start at bundle 0
+    share_gpu   bundles = train; engine e on bundle e, beside train rank e, both resident
 
 with train = actor_num_nodes x actor_num_gpus_per_node and rollout = rollout_num_gpus (None: the train
 count when colocated, one engine's worth otherwise), cut into engines of rollout_num_gpus_per_engine.
@@ -12,6 +13,12 @@ Train actors take 0.4 of their bundle (so a colocated engine and the rollout man
 the rollout manager takes 0.1 CPU of the first engine's bundle and starts the engine servers itself,
 with `CUDA_VISIBLE_DEVICES` set to the GPUs of each engine's bundles (found by probing the bundles, in
 (node, GPU id) order as slime sorts them).
+
+Shared GPUs (`cluster.share_gpu`, on GPUs): a train actor asks Ray for `train_gpu_fraction` of its bundle's
+GPU, and each engine is started by an `EngineHost` actor in its first bundle that asks for
+`rollout_gpu_fraction` of it (Ray then accounts both halves and refuses a third claimant), so the two
+share the GPU id; their memory is capped to the same fractions (the train rank's torch allocator, the
+engine's `--mem-fraction-static`, `engine_memory_args`).
 
 Several nodes: bundles are probed on the CPU too and sorted by (node IP, node id, GPU id), so train
 ranks fill the first nodes and engines the following ones (colocated: the same bundles, per node).
@@ -64,13 +71,16 @@ class PlacementPlan:
     num_bundles: int
     train_bundles: list[int]
     engine_bundles: list[list[int]]
+    share_gpu: bool = False
+    train_gpu: float = TRAIN_SHARE  # of its bundle's GPU, per train actor
+    engine_gpu: float = 0.0  # of its first bundle's GPU, claimed for each engine by its EngineHost (share_gpu)
 
     @property
     def bundle(self) -> dict[str, float]:
         return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
 
     def describe(self) -> str:
-        mode = "colocate" if self.colocate else "decoupled"
+        mode = "colocate" if self.colocate else "shared GPUs" if self.share_gpu else "decoupled"
         kind = "GPU" if self.use_gpu else "CPU"
         return (f"{mode}, {self.num_bundles} {kind} bundles: {len(self.train_bundles)} train ranks, "
                 f"{len(self.engine_bundles)} engines of {len(self.engine_bundles[0]) if self.engine_bundles else 0}")
@@ -82,17 +92,25 @@ def plan_placement(cluster: Any, use_gpu: bool) -> PlacementPlan:
     per_engine = cluster.rollout_num_gpus_per_engine
     rollout = cluster.rollout_num_gpus
     if rollout is None:
-        rollout = train if cluster.colocate else per_engine
+        rollout = train if cluster.same_gpus else per_engine
     if rollout % per_engine:
         raise ConfigError(f"cluster.rollout_num_gpus {rollout} is not a multiple of rollout_num_gpus_per_engine "
                           f"{per_engine}")
-    if cluster.colocate:
+    if cluster.share_gpu and rollout > train:
+        raise ConfigError(f"cluster.share_gpu puts every engine on a train rank's GPU, but rollout_num_gpus {rollout} "
+                          f"is more than the {train} train GPUs (actor_num_nodes x actor_num_gpus_per_node): lower "
+                          "rollout_num_gpus or add train ranks")
+    if cluster.same_gpus:
         num_bundles, offset = max(train, rollout), 0
     else:
         num_bundles, offset = train + rollout, train
     engines = [list(range(offset + e * per_engine, offset + (e + 1) * per_engine)) for e in range(rollout // per_engine)]
+    shares: dict[str, float] = {}
+    if cluster.share_gpu:
+        train_gpu, engine_gpu = cluster.gpu_fractions()
+        shares = {"share_gpu": True, "train_gpu": train_gpu, "engine_gpu": engine_gpu}
     return PlacementPlan(colocate=cluster.colocate, use_gpu=use_gpu, num_bundles=num_bundles,
-                         train_bundles=list(range(train)), engine_bundles=engines)
+                         train_bundles=list(range(train)), engine_bundles=engines, **shares)
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -202,7 +220,7 @@ class Placement:
 
     def train_options(self, rank: int) -> dict[str, Any]:
         """Ray actor options of train rank `rank`: its share of its bundle."""
-        gpus = TRAIN_SHARE if self.plan.use_gpu else 0
+        gpus = self.plan.train_gpu if self.plan.use_gpu else 0
         return {"num_cpus": TRAIN_SHARE, "num_gpus": gpus,
                 "scheduling_strategy": self._strategy(self.plan.train_bundles[rank])}
 
@@ -228,11 +246,12 @@ class Placement:
         return {"num_cpus": MANAGER_CPU, "num_gpus": 0, "scheduling_strategy": self._strategy(logical)}
 
     def engine_host_options(self) -> list[dict[str, Any] | None] | None:
-        """Per engine, the Ray actor options of the `EngineHost` that starts it on its node; None when the
-        rollout manager starts every engine itself (all on its node)."""
-        if not self.remote_engines:
+        """Per engine, the Ray actor options of the `EngineHost` that starts it on its node (and, sharing GPUs,
+        holds the engine's part of its GPU); None when the rollout manager starts every engine itself."""
+        claim = self.plan.engine_gpu if self.plan.use_gpu else 0.0
+        if not self.remote_engines and not claim:
             return None
-        return [{"num_cpus": HOST_CPU, "num_gpus": 0, "scheduling_strategy": self._strategy(engine[0])}
+        return [{"num_cpus": HOST_CPU, "num_gpus": claim, "scheduling_strategy": self._strategy(engine[0])}
                 for engine in self.plan.engine_bundles]
 
     def engine_devices(self) -> list[list[int]]:
@@ -361,7 +380,7 @@ def check_across_nodes(config: Any, placement: Placement) -> None:
     away = [e for e, node in enumerate(engine_nodes) if node != trainer]
     if not away:
         return
-    mode = resolve_mode(config.sync, config.cluster.colocate)
+    mode = resolve_mode(config.sync, config.cluster.same_gpus)
     where = f"engines {away} are on other nodes than train rank 0"
     if mode == "tensor":
         raise PlacementError(f"sync.weight_sync_mode tensor: {where}; tensor sync hands over shared-memory or CUDA "

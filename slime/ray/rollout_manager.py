@@ -163,7 +163,7 @@ class RolloutManager:
         if s.update_weight_mode == "delta":  # the local checkpoint holds the newest version
             path = Path(s.update_weight_local_checkpoint_dir)
             return path if (path / "config.json").is_file() else None
-        if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.colocate) != "disk":
+        if s.update_weight_disk_dir is None or resolve_mode(s, self.config.cluster.same_gpus) != "disk":
             return None
         path = weights_dir(s.update_weight_disk_dir, version)
         return path if (path / "config.json").is_file() else None

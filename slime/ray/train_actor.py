@@ -206,6 +206,10 @@ class TrainActor:
         self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
         init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method,
                       timeout_minutes=c.cluster.distributed_timeout_minutes)
+        import torch
+
+        if c.cluster.share_gpu and torch.cuda.is_available():  # the engine holds the rest of this GPU
+            torch.cuda.set_per_process_memory_fraction(c.cluster.gpu_fractions()[0])
         if self.hooks.init is not None:
             self.hooks.init(c.as_namespace())
         from slime.backends.megatron.profile import TrainProfiler
@@ -688,7 +692,7 @@ class TrainActor:
             from slime.sync import WeightSyncer
             from slime.sync.disk import post_write_hook
 
-            self.syncer = WeightSyncer(self.config.sync, colocated=self.config.cluster.colocate,
+            self.syncer = WeightSyncer(self.config.sync, colocated=self.config.cluster.same_gpus,
                                        hf_config=self.bridge.hf_config,
                                        master_address=ray.util.get_node_ip_address(),
                                        post_write=post_write_hook(self.config.as_namespace()))

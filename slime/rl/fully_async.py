@@ -21,6 +21,8 @@ Staleness is bounded twice (slime.rl.staleness has the version arithmetic):
   (`stale_policy`), counted in the metrics; the finished groups are handed out oldest first.
 A group interrupted by a pause continues with its tokens under the new weights when `partial` (slime's
 `--partial-rollout`; each token keeps its version), else it starts again from its prompt.
+The engines are the router's workers, listed again at every resume and before every abort of a pause, so
+an engine that fault tolerance restarted on a new port is aborted with the others once it is registered.
 
 Every group drawn is, at any time, in exactly one place: a taken batch, the dropped list of a batch
 (filtered, failed, stale), or held here (`state_dict`, dropped ones not yet written included), so a checkpoint taken while paused together
@@ -300,9 +302,12 @@ class FullyAsyncRollout:
         args = self.args
         plugins = check_rollout_plugins(args)
         url = router_url(args)
-        urls = await worker_urls(engine_client(), url)
-        if not urls:
-            raise RolloutEngineError(f"router {url} has no worker registered")
+
+        async def listed() -> list[str]:
+            """The router's workers now: fault tolerance replaces a dead engine by one on a new port, which
+            is registered when it holds the current weights (at once, or by the next weight update)."""
+            return await worker_urls(engine_client(), url)
+
         params = sampling_params_from_args(args)
         assert self._wake is not None and self._resumed is not None
         while True:
@@ -310,6 +315,9 @@ class FullyAsyncRollout:
             self._resumed.clear()
             if self._stopping:
                 return
+            urls = await listed()  # each round: an engine registered by the last weight update is in it
+            if not urls:
+                raise RolloutEngineError(f"router {url} has no worker registered")
             state = GenerateState(args, plugins, len(urls), rollout_id=self.next_rollout_id)
             self._counted = 0
             pending: set[asyncio.Task] = set()
@@ -327,7 +335,7 @@ class FullyAsyncRollout:
                     for task in done - {waiter}:
                         pending.discard(task)
                         self._finish(task.result(), plugins)
-                for group in await drain(state, pending, urls) if pending else []:
+                for group in await drain(state, pending, urls, refresh=listed) if pending else []:
                     self._finish(group, plugins)
             except BaseException:
                 if pending:

@@ -243,7 +243,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         if pending:
             await cancel(state, pending, urls)
         raise
-    leftovers += await drain(state, pending, urls) if pending else []
+    leftovers += await drain(state, pending, urls, refresh=lambda: worker_urls(client, url)) if pending else []
     elapsed = time.perf_counter() - started
 
     to_buffer = []

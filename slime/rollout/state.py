@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime.errors import EngineError
@@ -131,23 +132,33 @@ def first_error_of(group: list[Any]) -> str:
     return "unknown error"
 
 
-async def drain(state: GenerateState, pending: set[asyncio.Task], urls: list[str]) -> list[list[Any]]:
+async def drain(state: GenerateState, pending: set[asyncio.Task], urls: list[str],
+                refresh: Callable[[], Awaitable[list[str]]] | None = None) -> list[list[Any]]:
     """Abort every worker until all `pending` group tasks have returned and no worker holds a request.
 
     Returns the groups those tasks produced. Aborting is repeated because a task may still send a
-    request after an abort (a multi-turn generate function between turns). A worker that cannot be
-    reached (a dead engine the router still lists) is left out; if none can be reached, or work is
-    still running after `IDLE_TIMEOUT_S`, RolloutEngineError is raised.
+    request after an abort (a multi-turn generate function between turns). `refresh` (the router's
+    worker list) is asked again before each abort, so an engine registered since `urls` were listed (one
+    that fault tolerance restarted on a new port) is aborted too. A worker that cannot be reached (a
+    dead engine the router still lists) is left out; if none can be reached, or work is still running
+    after `IDLE_TIMEOUT_S`, RolloutEngineError is raised.
     """
     state.aborted = True
     client = engine_client()
     live = list(urls)
+    unreachable: set[str] = set()
     groups: list[list[Any]] = []
     deadline = time.monotonic() + IDLE_TIMEOUT_S
 
     async def abort() -> None:
         nonlocal live
+        if refresh is not None:
+            try:
+                live = [u for u in await refresh() if u not in unreachable]
+            except EngineError as exc:  # the router did not answer: the workers known so far
+                logger.warning("drain: cannot list the router's workers again (%s); aborting %s", exc, live)
         failed = await abort_all(client, live)
+        unreachable.update(failed)
         live = [u for u in live if u not in failed]
         if not live:
             raise RolloutEngineError(f"abort_request failed on every worker: {failed}")

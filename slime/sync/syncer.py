@@ -1,6 +1,6 @@
 """The weight-sync entry point: choose the mode from the config, bracket every sync, time it.
 
-    syncer = WeightSyncer(config.sync, colocated=config.cluster.colocate, hf_config=bridge.hf_config)
+    syncer = WeightSyncer(config.sync, colocated=config.cluster.same_gpus, hf_config=bridge.hf_config)
     result = await syncer.sync(router.worker_urls(), lambda: export_hf_weights(bridge, models), version)
     await syncer.close()
 

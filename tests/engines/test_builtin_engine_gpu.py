@@ -44,3 +44,35 @@ def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance, kv_cache
         assert worst < tolerance
     finally:
         engine.shutdown()
+
+
+def test_cuda_memory_budget_caps_the_engine_and_sizes_its_slots(tiny_kit):
+    """--mem-fraction-static (cluster.share_gpu): a 160 MiB part of the GPU holds fewer than the default 256
+    slots; generation runs inside it, and an allocation past it fails in this process."""
+    from slime.engines.builtin.memory import fitting_slots, slot_bytes
+
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = 160 * 2**20 / total
+    engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), device="cuda", dtype="bfloat16",
+                                      kv_cache="slots", mem_fraction_static=fraction))
+    try:
+        decided = engine.memory_budget
+        per_slot = slot_bytes(engine.model, engine.scheduler.context_length)
+        assert decided["slots"] == engine.scheduler.max_running_requests < 256
+        assert decided["slots"] == fitting_slots(decided["budget_bytes"], decided["weights_bytes"], per_slot)
+
+        async def go():
+            return await asyncio.gather(*[engine.generate({
+                "input_ids": engine.tokenizer.encode(f"{i}+{i}="), "sampling_params": {
+                    "max_new_tokens": 64, "ignore_eos": True}}) for i in range(200)])
+
+        outs = asyncio.run(go())
+        assert all(len(o["output_ids"]) == 64 for o in outs)
+        assert torch.cuda.max_memory_reserved() <= decided["budget_bytes"]
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(decided["budget_bytes"], dtype=torch.uint8, device="cuda")
+    finally:
+        engine.shutdown()
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -2,7 +2,8 @@
 manager (run in this process: no Ray needed for its engines) whose engine 1 is SIGKILLed, in file order:
 mid-rollout (the step completes; the engine comes back on a new port and serves again after the next
 weight sync), while idle with disk-mode weights at hand (re-synced by the manager itself), and once more
-past the restart limit (it stays down; rollouts go on with engine 0)."""
+past the restart limit (it stays down; rollouts go on with engine 0). Then fully async generation (a manager
+of its own): an engine restarted mid-generation is part of the weight update and of the next pause's aborts."""
 
 from __future__ import annotations
 
@@ -205,6 +206,74 @@ def test_engine_dead_while_offloaded_past_the_restart_limit_stays_down(manager):
     manager.args.rollout_max_response_len = 8  # only that the step runs on one engine matters here
     uri, metrics = manager.generate(2)
     assert len(read_samples(uri)) == BATCH * GROUP and metrics["rollout/engines_serving"] == 1
+
+
+# ----------------------------------------------------------------------------- fully async generation
+
+
+@pytest.fixture
+def async_manager(tiny_kit, tmp_path):
+    """A manager as `--async-mode fully` runs it: fault tolerance on, disk sync without a known directory (a
+    restarted engine waits for the trainer's next sync)."""
+    config = rl_config(tiny_kit, tmp_path, "ft-async", actor_num_gpus_per_node=1, rollout_num_gpus=2)
+    config.rollout.rollout_batch_size, config.rollout.n_samples_per_prompt = BATCH, GROUP
+    config.rollout.rollout_max_response_len, config.rollout.sglang_server_concurrency = 48, 4
+    config.rollout.partial_rollout = True
+    config.sync.async_mode = "fully"
+    config.engine.use_fault_tolerance = True
+    config.engine.rollout_health_check_interval = INTERVAL_S
+    config.engine.rollout_health_check_timeout = 10.0
+    config.sync.weight_sync_mode = "disk"
+    mgr = RolloutManager(config.model_dump(mode="json"), [[], []], str(tmp_path / "logs"))
+    try:
+        mgr.start()
+        yield mgr
+    finally:
+        pids = [e["pid"] for e in mgr.engines()]
+        mgr.dispose()
+        assert not any(_alive(pid) for pid in pids if pid)
+
+
+def test_fully_async_pause_aborts_an_engine_restarted_on_a_new_port(async_manager, policy, monkeypatch):
+    """The generator runs all the time; engine 1 dies mid-generation and comes back on a new port, the weight
+    update (paused generation, as RLLoop.sync) includes and registers it, and the next pause's aborts reach
+    it at its new URL: it is left holding no request."""
+    from slime.rollout import state as rollout_state
+
+    mgr = async_manager
+    policy(mgr, "1")
+    mgr.start_fully_async(1, 1, None)
+    before = mgr.engines()
+    killer = _kill_when_busy(before[1]["url"], before[1]["pid"])
+    uri, metrics = mgr.take_batch(1)  # finished on engine 0 (the router and client retry)
+    killer.join(timeout=5)
+    assert not killer.is_alive() and len(read_samples(uri)) == BATCH * GROUP
+    restarted = _wait_state(mgr, 1, "awaiting_sync", restarts=1)
+    assert restarted["url"] != before[1]["url"]
+
+    mgr.pause_generation()  # RLLoop.sync: pause, update every live engine, resume
+    urls, result = policy(mgr, "2")
+    assert urls == [before[0]["url"], restarted["url"]] and result == {"rollout/engines_reregistered": 1}
+    mgr.resume_generation(2)
+    deadline = time.monotonic() + 120
+    while _get(f"{restarted['url']}/get_load")[0]["num_reqs"] == 0:  # the generator sends it work
+        assert time.monotonic() < deadline, "the restarted engine got no request"
+        time.sleep(0.02)
+
+    aborted: list[str] = []
+    abort_all = rollout_state.abort_all
+
+    async def spy(client, urls):
+        aborted.extend(urls)
+        return await abort_all(client, urls)
+
+    monkeypatch.setattr(rollout_state, "abort_all", spy)
+    mgr.pause_generation()
+    assert restarted["url"] in aborted and before[1]["url"] not in aborted
+    assert _get(f"{restarted['url']}/get_load")[0]["num_reqs"] == 0
+    mgr.resume_generation(2)
+    uri, metrics = mgr.take_batch(2)
+    assert len(read_samples(uri)) == BATCH * GROUP and metrics["rollout/engines_serving"] == 2
 
 
 # ----------------------------------------------------------------------------- the whole RL loop

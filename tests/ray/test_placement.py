@@ -47,6 +47,17 @@ def test_plan_cpu_mode_and_defaults():
     assert plan.engine_bundles == [[2]]
 
 
+def test_plan_share_gpu_puts_engine_e_beside_rank_e_with_fractions():
+    plan = plan_placement(ClusterConfig(actor_num_gpus_per_node=2, share_gpu=True, rollout_gpu_fraction=0.3),
+                          use_gpu=True)
+    assert plan.num_bundles == 2 and not plan.colocate  # rollout_num_gpus defaults to the train count
+    assert plan.train_bundles == [0, 1] and plan.engine_bundles == [[0], [1]]
+    assert (plan.train_gpu, plan.engine_gpu) == (0.5, 0.3)
+    assert plan.describe().startswith("shared GPUs, 2 GPU bundles")
+    with pytest.raises(ConfigError, match=r"rollout_num_gpus 4 is more than the 2 train GPUs"):
+        plan_placement(ClusterConfig(actor_num_gpus_per_node=2, rollout_num_gpus=4, share_gpu=True), use_gpu=True)
+
+
 def test_plan_refuses_engines_that_do_not_divide():
     with pytest.raises(ConfigError, match="rollout_num_gpus 3 is not a multiple of rollout_num_gpus_per_engine 2"):
         plan_placement(ClusterConfig(rollout_num_gpus=3, rollout_num_gpus_per_engine=2), use_gpu=True)
@@ -115,6 +126,44 @@ def test_colocated_engines_share_the_train_gpus(fake_gpu_ray):
         assert placement.train_options(0)["num_gpus"] < 1
     finally:
         placement.remove()
+
+
+def test_shared_gpu_train_rank_and_engine_hold_parts_of_one_gpu(fake_gpu_ray):
+    """share_gpu: train rank e and engine e's host ask Ray for 0.5 of the same bundle and get the same GPU id,
+    both at once (resident side by side); Ray accounts both halves, so a third half of that GPU waits."""
+    import ray
+
+    placement = create_placement(ClusterConfig(actor_num_gpus_per_node=2, share_gpu=True))
+    try:
+        train_options = [placement.train_options(r) for r in range(2)]
+        hosts = placement.engine_host_options()
+        assert [o["num_gpus"] for o in train_options + hosts] == [0.5] * 4
+        gpus = _gpu_of_actors(train_options + hosts)  # all four alive together
+        assert gpus[:2] == gpus[2:] == placement.engine_devices()
+        assert len({g[0] for g in gpus[:2]}) == 2  # two GPUs, one train rank and one engine on each
+        assert placement.manager_options()["num_gpus"] == 0
+
+        @ray.remote
+        def third() -> list[int]:
+            return [int(g) for g in ray.get_gpu_ids()]
+
+        holders = [ray.remote(_Hold).options(**o).remote() for o in (train_options[0], hosts[0])]
+        ray.get([h.ready.remote() for h in holders], timeout=120)
+        extra = third.options(num_cpus=0.01, num_gpus=0.5, scheduling_strategy=train_options[0]["scheduling_strategy"])
+        ref = extra.remote()
+        assert ray.wait([ref], timeout=5)[1] == [ref]  # bundle 0's GPU is fully held
+        for h in holders:
+            ray.kill(h)
+        assert ray.get(ref, timeout=60) == gpus[0]  # and it runs there once a holder is gone
+    finally:
+        placement.remove()
+
+
+class _Hold:
+    """An actor that only holds its resources."""
+
+    def ready(self) -> bool:
+        return True
 
 
 def test_a_placement_that_does_not_fit_names_the_numbers(fake_gpu_ray):

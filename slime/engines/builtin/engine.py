@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
+from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
@@ -59,6 +60,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
+    mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -95,6 +97,10 @@ class BuiltinEngine:
             overlap=not args.disable_overlap_schedule,
         )
         self.scheduler.weight_version = args.weight_version
+        self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
+        if args.mem_fraction_static is not None:  # before the first request allocates the slot cache
+            self.memory_budget = apply_memory_budget(self.scheduler, self.model, self.device,
+                                                     args.mem_fraction_static)
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
         self.checker = WeightChecker(self.model)  # /weights_checker
         self.parking = HostParking()  # the weights' pinned host twins while the memory is released

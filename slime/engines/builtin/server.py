@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="slot mode: do not launch the next decode before the host has this step's tokens")
     parser.add_argument("--max-slot-tokens", type=int, default=4096,
                         help="slot mode: the most tokens (prompt + new) one request may hold")
+    parser.add_argument("--mem-fraction-static", type=float,
+                        help="GPU shared with a train rank: cap this engine at this part of the GPU's memory and "
+                             "size the slot KV cache to fit (slime/engines/builtin/memory.py)")
     parser.add_argument("--log-level", default="info")
     return parser
 

@@ -1,0 +1,67 @@
+"""The built-in engine's memory budget on a GPU it shares (`--mem-fraction-static`, SGLang's flag name).
+
+With `cluster.share_gpu` a train rank and an engine stay resident on one GPU, so the engine may take only
+its part: `fraction` of the GPU's memory. Two things hold it there:
+
+* torch's caching allocator is capped at that fraction for this process
+  (`torch.cuda.set_per_process_memory_fraction`): an allocation past it fails in this process instead of
+  taking the train rank's memory (the CUDA context, ~0.5 GB, is outside the allocator and not counted);
+* the slot KV cache (`kv_cache="slots"`, allocated at the first request) is sized to fit: at most
+  `KV_SHARE` of what the budget leaves after the weights, the rest kept for prefill activations, logits
+  and the CUDA graphs' pools; the scheduler then runs at most that many requests at once.
+
+Where SGLang measures the GPU's free memory at start-up (and so depends on what the trainer holds then),
+this counts only the engine's own allocations: a restarted engine gets the same budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_SHARE = 0.5  # of the budget left after the weights, for the slot KV cache
+
+
+def slot_bytes(model: Any, max_len: int) -> int:
+    """Bytes of one slot of the slot KV cache: keys and values of `max_len` tokens in every layer."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * max_len * element
+
+
+def fitting_slots(budget: int, used: int, per_slot: int) -> int:
+    """How many KV slots of `per_slot` bytes fit in `KV_SHARE` of what `budget` leaves after `used` bytes."""
+    return max(0, int((budget - used) * KV_SHARE // per_slot))
+
+
+def apply_memory_budget(scheduler: Any, model: Any, device: torch.device, fraction: float) -> dict[str, Any]:
+    """Cap this process at `fraction` of `device`'s memory and size the scheduler's slot cache to fit (see
+    the module docstring); what was decided. On the CPU nothing is shared: nothing changes."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
+    if device.type != "cuda":
+        logger.info("--mem-fraction-static %s: ignored on %s (no GPU memory to share)", fraction, device)
+        return {"device": str(device)}
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget, weights = int(fraction * total), torch.cuda.memory_allocated(device)
+    decided: dict[str, Any] = {"budget_bytes": budget, "weights_bytes": weights}
+    if scheduler.kv_cache == "slots":
+        per_slot = slot_bytes(model, scheduler.context_length)
+        fit = fitting_slots(budget, weights, per_slot)
+        if fit < 1:
+            raise ValueError(
+                f"--mem-fraction-static {fraction}: {budget / 2**30:.2f} GiB of the GPU's {total / 2**30:.2f} GiB, "
+                f"the weights take {weights / 2**30:.2f} GiB and one request's KV slot ({scheduler.context_length} "
+                f"tokens) {per_slot / 2**30:.3f} GiB: no slot fits; raise cluster.rollout_gpu_fraction or lower "
+                "--max-slot-tokens")
+        scheduler.max_running_requests = min(scheduler.max_running_requests, fit)
+        decided["slots"] = scheduler.max_running_requests
+    logger.info("memory budget: %.2f GiB (%.2f of the GPU), weights %.2f GiB%s", budget / 2**30, fraction,
+                weights / 2**30, f", {decided['slots']} KV slots" if "slots" in decided else "")
+    return decided
