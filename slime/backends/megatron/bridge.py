@@ -181,19 +181,32 @@ def uses_local_export(bridge: Any) -> bool:
 def export_hf_weights(bridge: Any, models: list[torch.nn.Module]) -> Any:
     """Iterator of (HF name, tensor) for the current Megatron weights, padded vocab rows removed.
 
-    Same names, order and values as mbridge's `export_weights`; without pipeline or expert
-    parallelism it goes through `_export_local`, which drops mbridge's per-tensor object
+    Same names, order and values as mbridge's `export_weights` (with pipeline parallelism it gathers
+    every stage's weights on every rank, `_export_stages`); without pipeline or expert parallelism it
+    goes through `_export_local`, which drops mbridge's per-tensor object
     collectives (docs/sync.md, "Export"). A model with LoRA adapters exports merged weights
     (base + scale * B @ A, `lora.merged_weight`) and no adapter tensor.
     """
     vocab = bridge.hf_config.vocab_size
     if not uses_local_export(bridge) and any(has_adapters(m) for m in models):
         raise ConfigError("LoRA weight export needs one pipeline stage and a dense model (no expert parallelism)")
-    weights = _export_local(bridge, models) if uses_local_export(bridge) else bridge.export_weights(models)
+    weights = _export_local(bridge, models) if uses_local_export(bridge) else _export_stages(bridge, models)
     for name, tensor in weights:
         if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] > vocab:
             tensor = tensor[:vocab]
         yield name, tensor
+
+
+def _export_stages(bridge: Any, models: list[torch.nn.Module]) -> Any:
+    """mbridge's `export_weights` (each stage's weights broadcast over the pipeline group, so every rank
+    yields all of them), each HF name once: with tied embeddings and several stages, the last stage holds
+    its own copy of the embedding as the output layer (kept equal by megatron's embedding-group gradient
+    all-reduce), which mbridge maps to the embedding's HF name a second time."""
+    seen: set[str] = set()
+    for name, tensor in bridge.export_weights(models):
+        if name not in seen:
+            seen.add(name)
+            yield name, tensor
 
 
 def _export_local(bridge: Any, models: list[torch.nn.Module]) -> Any:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from slime.backends.megatron.batching import micro_batches
-from slime.backends.megatron.forward import forward_only
-from slime.backends.megatron.logprobs import PaddedBatch, pad_samples, response_positions
+from slime.backends.megatron.forward import forward_only, is_last_stage, share_from_last_stage
+from slime.backends.megatron.logprobs import PaddedBatch, forward_logits, pad_samples, response_positions
 from slime.types import Sample
 
 
@@ -76,9 +76,11 @@ def _heads_detached(models: list[torch.nn.Module]) -> Iterator[None]:
 
 def response_values(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values `[B, R_max]` float32 of the response tokens (0 where masked) and the mask."""
-    seq = batch.tokens.shape[1]
-    position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
-    out = model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)  # [B, S, 1]
+    return values_from_output(forward_logits(model, batch), batch)
+
+
+def values_from_output(out: torch.Tensor, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_values` from the critic's output `[B, S, 1]` (the last pipeline stage's)."""
     positions, mask = response_positions(batch)
     values = out[..., 0].float().gather(1, positions)
     return torch.where(mask, values, 0.0), mask
@@ -87,17 +89,24 @@ def response_values(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.T
 def compute_values(models: list[torch.nn.Module], samples: list[Sample], *, micro_batch_size: int = 1,
                    use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
                    pad_token_id: int = 0) -> list[torch.Tensor]:
-    """Forward-only critic values per sample (1-D float32 CPU tensors of `response_length`)."""
+    """Forward-only critic values per sample (1-D float32 CPU tensors of `response_length`), on every
+    pipeline stage."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
                           use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu)
     device = next(models[0].parameters()).device
+    padded: dict[int, PaddedBatch] = {}  # id(indices) -> its batch, from `run` to `collect`
 
-    def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, torch.Tensor]:
-        batch = pad_samples([samples[i] for i in indices], pad_token_id, device)
-        return indices, batch, response_values(model, batch)[0]
+    def run(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
+        batch = padded[id(indices)] = pad_samples([samples[i] for i in indices], pad_token_id, device)
+        return forward_logits(model, batch)
+
+    def collect(indices: list[int], out: torch.Tensor) -> tuple[list[int], PaddedBatch, torch.Tensor]:
+        batch = padded.pop(id(indices))
+        return indices, batch, values_from_output(out, batch)[0]
 
     values: list[torch.Tensor | None] = [None] * len(samples)
-    for indices, batch, rows in forward_only(models, parts, score):
+    for indices, batch, rows in forward_only(models, parts, run, collect):
         for row, i in enumerate(indices):
             values[i] = rows[row, : int(batch.response_lengths[row])].cpu()
-    return values
+    return share_from_last_stage(values if is_last_stage() else None, [s.response_length for s in samples],
+                                 device)
