@@ -81,6 +81,23 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     model_parallel_cuda_manual_seed(seed)
 
 
+def model_parallel_sizes(megatron: dict[str, Any], world_size: int,
+                         world: str = "cluster.actor_num_nodes x actor_num_gpus_per_node") -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes from the `megatron:` pass-through options
+    (--tensor-model-parallel-size, --pipeline-model-parallel-size), checked against the train world:
+    data parallelism takes what is left, so TP x PP must divide it."""
+    tp = int(megatron.get("tensor_model_parallel_size") or 1)
+    pp = int(megatron.get("pipeline_model_parallel_size") or 1)
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"megatron.tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) "
+                          "must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} train ranks cannot be split into tensor_model_parallel_size {tp} x "
+                          f"pipeline_model_parallel_size {pp} groups: TP x PP must divide the number of train "
+                          f"ranks ({world})")
+    return tp, pp
+
+
 def close_megatron() -> None:
     """Leave the process group together: a barrier, then Megatron's and torch's groups destroyed.
 

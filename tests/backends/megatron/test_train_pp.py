@@ -14,6 +14,7 @@ from multirank import run_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from slime.backends.megatron.bridge import model_parallel_sizes
 from slime.backends.megatron.forward import prepare_schedule
 from slime.errors import ConfigError
 
@@ -71,3 +72,13 @@ def test_pipeline_parallel_resume_is_bit_exact(tiny_kit, tmp_path):
 def test_virtual_pipeline_stages_are_refused():
     with pytest.raises(ConfigError, match="virtual pipeline"):
         prepare_schedule([object(), object()])
+
+
+def test_parallel_sizes_come_from_the_megatron_section_and_must_divide_the_train_ranks():
+    assert model_parallel_sizes({}, 4) == (1, 1)
+    assert model_parallel_sizes({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8) == (2, 2)
+    with pytest.raises(ConfigError, match="6 train ranks cannot be split into tensor_model_parallel_size 2 x "
+                                          "pipeline_model_parallel_size 4"):
+        model_parallel_sizes({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4}, 6)
+    with pytest.raises(ConfigError, match="the SFT stage trains on one rank"):
+        model_parallel_sizes({"pipeline_model_parallel_size": 2}, 1, "the SFT stage trains on one rank")
