@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,32 +27,44 @@ from slime.types import Sample
 
 
 class ValueHead(torch.nn.Linear):
-    """hidden -> 1 linear head, called the way GPTModel calls its output layer."""
+    """hidden -> 1 linear head, called the way GPTModel calls its output layer.
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    Its weight is drawn from a generator of its own seed (torch.nn.Linear's default uniform bound), not
+    from the process's random state, which differs between ranks and pipeline stages: every tensor-parallel
+    rank holds the same head (it reads the full hidden states), and a critic built under any parallel
+    layout starts from the same values."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int = 0) -> None:
         super().__init__(hidden_size, 1, bias=False, dtype=dtype)
         self.sequence_parallel = False  # GPTModel reads it in inference mode
+        bound = 1.0 / hidden_size**0.5
+        with torch.no_grad():
+            self.weight.copy_(torch.empty(1, hidden_size).uniform_(-bound, bound,
+                                                                  generator=torch.Generator().manual_seed(seed)))
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         return super().forward(hidden_states), None
 
 
-def _attach_value_head(model: torch.nn.Module, *, post_process: bool, **_: Any) -> None:
-    """mbridge post-model-creation callback: the last stage's LM head becomes a value head."""
-    if not post_process:
-        return
-    model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype)
+def _attach_value_head(model: torch.nn.Module, *, post_process: bool, seed: int = 0, **_: Any) -> None:
+    """mbridge post-model-creation callback: the last stage's LM head becomes a value head. No stage
+    shares its embedding with the head any more: with pipeline stages, a first stage that still did would
+    all-reduce its embedding gradient with a last stage that no longer takes part."""
     model.share_embeddings_and_output_weights = False
+    if post_process:
+        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype, seed)
 
 
-def build_critic(bridge: Any, hf_dir: str | None = None) -> list[torch.nn.Module]:
-    """DDP-wrapped critic chunks for `bridge`'s architecture, transformer loaded from `hf_dir` if given."""
+def build_critic(bridge: Any, hf_dir: str | None = None, seed: int = 0) -> list[torch.nn.Module]:
+    """DDP-wrapped critic chunks for `bridge`'s architecture, transformer loaded from `hf_dir` if given,
+    value head drawn from `seed`. Pipeline stages and tensor parallelism are supported (the head sits on
+    the last stage, whole on every tensor-parallel rank)."""
     dtype = bridge.dtype
     models = bridge.get_model(wrap_with_ddp=True, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                               use_cpu_initialization=not torch.cuda.is_available(),
                               ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": False},
-                              post_model_creation_callbacks=[_attach_value_head])
+                              post_model_creation_callbacks=[partial(_attach_value_head, seed=seed)])
     if hf_dir is not None:
         with _heads_detached(models):
             bridge.load_weights(models, hf_dir)
@@ -61,9 +74,9 @@ def build_critic(bridge: Any, hf_dir: str | None = None) -> list[torch.nn.Module
 @contextmanager
 def _heads_detached(models: list[torch.nn.Module]) -> Iterator[None]:
     """The value heads taken off their models for the duration (parameters and buffers untouched)."""
-    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.core.utils import unwrap_model
 
-    owners = [get_attr_wrapped_model(m, "output_layer", return_model_obj=True) for m in models]
+    owners = [m for m in unwrap_model(models) if getattr(m, "output_layer", None) is not None]  # the last stage
     heads = [owner.output_layer for owner in owners]
     for owner in owners:
         owner.output_layer = None

@@ -6,7 +6,8 @@
 World size = TP x PP (DP = 1). `parity`: one SGD SFT step, then GRPO: old log-probs recomputed by
 `compute_log_probs` (forward-only through the pipeline; the KL reference's from a bare model loaded from
 HF_DIR), two policy steps on them (entropy and KL terms, gradient clipping); prints the log-probs, entropies
-and each step's metrics, and rank 0 writes the exported HF weights
+and each step's metrics; then a PPO critic (value head from a fixed seed): values, two SGD value-loss steps
+on jittered returns, values after; and rank 0 writes the exported HF weights
 to OUT_DIR/tp<TP>pp<PP>.safetensors. `resume`: Adam steps 1..4 saving at 2, then a fresh model and
 optimizer load that checkpoint and take steps 3..4 again; prints each rank's weight and optimizer digests.
 """
@@ -16,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from dp_parity import jitter
 from multirank import rank_env
 from parity_samples import make_samples
 from safetensors.torch import save_file
@@ -28,6 +30,7 @@ from slime.backends.megatron.bridge import (
     make_bridge,
 )
 from slime.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from slime.backends.megatron.critic import build_critic, compute_values
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer, build_optimizer_and_scheduler
 from slime.backends.megatron.step_data import TrainArrays
@@ -35,6 +38,7 @@ from slime.backends.megatron.train import StepSettings, train_step
 from slime.config import load_config
 
 SFT = StepSettings(loss_type="sft_loss", micro_batch_size=1)
+VALUE = StepSettings(loss_type="value_loss", micro_batch_size=2, value_clip=0.2)
 GRPO = StepSettings(loss_type="policy_loss", micro_batch_size=2, temperature=0.8, entropy_coef=0.1, use_kl_loss=True,
                     kl_loss_coef=0.2, kl_loss_type="k3")
 
@@ -53,12 +57,22 @@ def parity(hf_dir: str, out_dir: Path, tp: int, pp: int, rank: int) -> None:
     arrays = TrainArrays(old_log_probs=old.log_probs, ref_log_probs=ref.log_probs)
     for _ in range(2):
         steps.append(train_step(models, optimizer, samples, GRPO, vocab_size=vocab, arrays=arrays))
+    critic = build_critic(bridge, hf_dir)
+    values = compute_values(critic, samples, micro_batch_size=2)
+    critic_arrays = TrainArrays(old_values=values, returns=[jitter(v, 0.5, seed=300 + x.index) for v, x in
+                                                            zip(values, samples, strict=True)])
+    critic_optimizer = build_optimizer(critic, lr=0.5, clip_grad=1.0, optimizer="sgd")
+    value_steps = [train_step(critic, critic_optimizer, samples, VALUE, vocab_size=vocab, arrays=critic_arrays)
+                   for _ in range(2)]
+    after = compute_values(critic, samples, use_dynamic_batch_size=True, max_tokens_per_gpu=20)
     exported = [(name, t.detach().cpu().contiguous()) for name, t in export_hf_weights(bridge, models)]
     if rank == 0:
         save_file(dict(exported), str(out_dir / f"tp{tp}pp{pp}.safetensors"))
     print(json.dumps({"rank": rank, "log_probs": [v.tolist() for v in old.log_probs],
                       "entropies": [v.tolist() for v in old.entropies],
                       "ref_log_probs": [v.tolist() for v in ref.log_probs], "steps": steps,
+                      "values": [v.tolist() for v in values], "values_after": [v.tolist() for v in after],
+                      "value_steps": value_steps,
                       "exported": [name for name, _ in exported]}), flush=True)
 
 
