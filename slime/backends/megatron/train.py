@@ -17,7 +17,9 @@ mean over its D trained tokens (`calculate_per_token_loss`; D = sum_i max(n_i, 1
 losses are its share of the global loss. Two scale factors undo what Megatron does to them: the
 schedule divides each micro-batch loss by the number of micro-batches, and DDP averages the gradients
 over data-parallel ranks; hence x num_microbatches x dp_size. Metrics are the same reductions, summed
-over micro-batches and ranks: every rank returns the global values.
+over micro-batches and ranks: every rank returns the global values. With pipeline parallelism the
+schedule is megatron's 1F1B: each stage's forward step calls its part of the model, the last stage's loss
+function scores the logits, and the metrics are broadcast from the last stage (`forward.py`).
 
 Policy variants follow `advantage_estimator`: gspo uses the sequence-level ratio, cispo the CISPO
 loss, every other estimator the (dual-)clipped PPO surrogate. Old log-probs are the rollout engine's
