@@ -87,13 +87,9 @@ def _heads_detached(models: list[torch.nn.Module]) -> Iterator[None]:
             owner.output_layer = head
 
 
-def response_values(model: torch.nn.Module, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic values `[B, R_max]` float32 of the response tokens (0 where masked) and the mask."""
-    return values_from_output(forward_logits(model, batch), batch)
-
-
 def values_from_output(out: torch.Tensor, batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`response_values` from the critic's output `[B, S, 1]` (the last pipeline stage's)."""
+    """Critic values `[B, R_max]` float32 of the response tokens (0 where masked) and the mask, from the
+    critic's output `[B, S, 1]` for `batch` (`logprobs.forward_logits`, on the last pipeline stage)."""
     positions, mask = response_positions(batch)
     values = out[..., 0].float().gather(1, positions)
     return torch.where(mask, values, 0.0), mask

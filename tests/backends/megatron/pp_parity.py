@@ -2,6 +2,7 @@
 
     python pp_parity.py parity HF_DIR OUT_DIR TP PP   (RANK, WORLD_SIZE, INIT_METHOD in the environment)
     python pp_parity.py resume HF_DIR OUT_DIR TP PP
+    python pp_parity.py load   HF_DIR OUT_DIR TP PP   (after `resume` with TP 1 PP 2)
 
 World size = TP x PP (DP = 1). `parity`: one SGD SFT step, then GRPO: old log-probs recomputed by
 `compute_log_probs` (forward-only through the pipeline; the KL reference's from a bare model loaded from
@@ -9,7 +10,8 @@ HF_DIR), two policy steps on them (entropy and KL terms, gradient clipping); pri
 and each step's metrics; then a PPO critic (value head from a fixed seed): values, two SGD value-loss steps
 on jittered returns, values after; and rank 0 writes the exported HF weights
 to OUT_DIR/tp<TP>pp<PP>.safetensors. `resume`: Adam steps 1..4 saving at 2, then a fresh model and
-optimizer load that checkpoint and take steps 3..4 again; prints each rank's weight and optimizer digests.
+optimizer load that checkpoint and take steps 3..4 again; prints each rank's weight and optimizer digests
+and the log-probs at the save. `load`: that PP 2 checkpoint's weights into this layout; prints its log-probs.
 """
 
 import hashlib
@@ -29,7 +31,7 @@ from slime.backends.megatron.bridge import (
     init_megatron,
     make_bridge,
 )
-from slime.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+from slime.backends.megatron.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
 from slime.backends.megatron.critic import build_critic, compute_values
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.backends.megatron.optimizer import build_optimizer, build_optimizer_and_scheduler
@@ -109,10 +111,23 @@ def resume(hf_dir: str, save: str, rank: int) -> None:
         run.append(step(models, optimizer, scheduler, k))
         if k == 2:
             save_checkpoint(models, save, k, optimizer=optimizer, scheduler=scheduler)
+            saved = compute_log_probs(models, samples, vocab_size=vocab, micro_batch_size=3).log_probs
     models, optimizer, scheduler = build()
     state = load_checkpoint(models, f"{save}/iter_0000002", optimizer, scheduler)
     resumed = [step(models, optimizer, scheduler, k) for k in range(state.iteration + 1, 5)]
-    print(json.dumps({"rank": rank, "run": run, "resumed": resumed}), flush=True)
+    print(json.dumps({"rank": rank, "run": run, "resumed": resumed, "saved_log_probs": [v.tolist() for v in saved]}),
+          flush=True)
+
+
+def load(hf_dir: str, path: str, rank: int) -> None:
+    """The weights of a checkpoint saved under another layout (weights only, as export and --ref-load read
+    them): the log-probs of the loaded model."""
+    bridge = make_bridge(hf_dir)
+    models = build_model(bridge)
+    load_model_checkpoint(models, path)
+    logp = compute_log_probs(models, make_samples(bridge.hf_config.vocab_size),
+                             vocab_size=bridge.hf_config.vocab_size, micro_batch_size=3).log_probs
+    print(json.dumps({"rank": rank, "log_probs": [v.tolist() for v in logp]}), flush=True)
 
 
 def main() -> None:
@@ -122,6 +137,8 @@ def main() -> None:
                   init_method=init_method)
     if mode == "parity":
         parity(hf_dir, out_dir, tp, pp, rank)
+    elif mode == "load":
+        load(hf_dir, str(out_dir / "ckpt-tp1pp2" / "iter_0000002"), rank)
     else:
         resume(hf_dir, str(out_dir / f"ckpt-tp{tp}pp{pp}"), rank)
 

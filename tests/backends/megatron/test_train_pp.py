@@ -63,13 +63,17 @@ def test_pipeline_parallel_equals_one_stage(tiny_kit, tmp_path):
         assert max((reference[k] - weights[k]).abs().max().item() for k in reference) < 1e-6, (tp, pp)
 
 
-def test_pipeline_parallel_resume_is_bit_exact(tiny_kit, tmp_path):
+def test_pipeline_parallel_resume_is_bit_exact_and_its_weights_load_into_one_stage(tiny_kit, tmp_path):
     ranks = run("resume", tiny_kit.model_dir, tmp_path, 1, 2)
     for rank in ranks:
         assert len(rank["resumed"]) == 2
         assert rank["resumed"] == rank["run"][2:]  # weights and Adam state digests, losses: bit-exact
     assert ranks[0]["run"][-1]["weights"] != ranks[1]["run"][-1]["weights"]  # each stage digests its own layers
     assert [s["loss"] for s in ranks[0]["run"]] == [s["loss"] for s in ranks[1]["run"]]
+    # the PP 2 checkpoint's weights load into one stage (dist-checkpointing reshards): the same model
+    one = run("load", tiny_kit.model_dir, tmp_path, 1, 1)[0]
+    saved = ranks[0]["saved_log_probs"]
+    assert max(abs(a - b) for a, b in zip(flat(saved), flat(one["log_probs"]), strict=True)) < 1e-6
 
 
 def test_virtual_pipeline_stages_are_refused():
