@@ -4,12 +4,12 @@
     python pp_parity.py resume HF_DIR OUT_DIR TP PP
     python pp_parity.py load   HF_DIR OUT_DIR TP PP   (after `resume` with TP 1 PP 2)
 
-World size = TP x PP (DP = 1). `parity`: one SGD SFT step, then GRPO: old log-probs recomputed by
+World size = TP x PP x DP; each data-parallel rank trains on every DP-th sample. `parity`: one SGD SFT step, then GRPO: old log-probs recomputed by
 `compute_log_probs` (forward-only through the pipeline; the KL reference's from a bare model loaded from
 HF_DIR), two policy steps on them (entropy and KL terms, gradient clipping); prints the log-probs, entropies
 and each step's metrics; then a PPO critic (value head from a fixed seed): values, two SGD value-loss steps
 on jittered returns, values after; and rank 0 writes the exported HF weights
-to OUT_DIR/tp<TP>pp<PP>.safetensors. `resume`: Adam steps 1..4 saving at 2, then a fresh model and
+to OUT_DIR/tp<TP>pp<PP>dp<DP>.safetensors. `resume`: Adam steps 1..4 saving at 2, then a fresh model and
 optimizer load that checkpoint and take steps 3..4 again; prints each rank's weight and optimizer digests
 and the log-probs at the save. `load`: that PP 2 checkpoint's weights into this layout; prints its log-probs.
 """
@@ -46,10 +46,13 @@ GRPO = StepSettings(loss_type="policy_loss", micro_batch_size=2, temperature=0.8
 
 
 def parity(hf_dir: str, out_dir: Path, tp: int, pp: int, rank: int) -> None:
+    from megatron.core import parallel_state
+
     bridge = make_bridge(hf_dir)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True)
     vocab = bridge.hf_config.vocab_size
-    samples = make_samples(vocab)
+    dp = parallel_state.get_data_parallel_world_size()
+    samples = make_samples(vocab)[parallel_state.get_data_parallel_rank()::dp]  # this data-parallel rank's share
     optimizer = build_optimizer(models, lr=0.5, clip_grad=1.0, optimizer="sgd")
     steps = [train_step(models, optimizer, samples, SFT, vocab_size=vocab)]
     old = compute_log_probs(models, samples, vocab_size=vocab, temperature=0.8, micro_batch_size=4,
@@ -69,8 +72,8 @@ def parity(hf_dir: str, out_dir: Path, tp: int, pp: int, rank: int) -> None:
     after = compute_values(critic, samples, use_dynamic_batch_size=True, max_tokens_per_gpu=20)
     exported = [(name, t.detach().cpu().contiguous()) for name, t in export_hf_weights(bridge, models)]
     if rank == 0:
-        save_file(dict(exported), str(out_dir / f"tp{tp}pp{pp}.safetensors"))
-    print(json.dumps({"rank": rank, "log_probs": [v.tolist() for v in old.log_probs],
+        save_file(dict(exported), str(out_dir / f"tp{tp}pp{pp}dp{dp}.safetensors"))
+    print(json.dumps({"rank": rank, "indices": [x.index for x in samples], "log_probs": [v.tolist() for v in old.log_probs],
                       "entropies": [v.tolist() for v in old.entropies],
                       "ref_log_probs": [v.tolist() for v in ref.log_probs], "steps": steps,
                       "values": [v.tolist() for v in values], "values_after": [v.tolist() for v in after],
