@@ -1417,6 +1417,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if refused:  # one of slime's own flags this project does not do: say why rather than pass it on
         name = refused[0]
         fail(f"megatron.{name}", f"slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}")
+    if int(config.megatron.get("virtual_pipeline_model_parallel_size") or 1) > 1:
+        fail("megatron.virtual_pipeline_model_parallel_size", "virtual pipeline stages (interleaved 1F1B) are not "
+             "supported by the Megatron backend: it runs one model chunk per rank (pipeline_model_parallel_size "
+             "alone is supported)")
     typed = sorted(set(config.megatron) & set(FIELD_SECTION))
     if typed:  # e.g. `megatron: {lr_decay_style: cosine}`: the typed field is the one the trainer reads
         name = typed[0]

@@ -49,7 +49,7 @@ def run_sft(config: Config) -> dict[str, Any]:
 def _sft(config: Config) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge, model_parallel_sizes
     from slime.backends.megatron.checkpoint import (
         iteration_dir,
         latest_checkpoint,
@@ -88,6 +88,7 @@ def _sft(config: Config) -> dict[str, Any]:
             logger.info("%s is this SFT's final checkpoint: nothing to do", path)
             return _summary(path, saved_losses, resume_from)
 
+    model_parallel_sizes(config.megatron, 1, "the SFT stage trains on one rank")  # TP / PP > 1 refused, not ignored
     init_megatron(seed=config.run.seed)
     bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir))
     lora_spec = LoraSpec.from_config(config)  # LoRA: adapters on the frozen base (docs/lora.md)

@@ -119,6 +119,8 @@ def test_unknown_megatron_flag_suggests_closest():
         (["--kl-coef", "0.1", "--use-kl-loss", "--kl-loss-coef", "0.01"], "are exclusive"),
         (["--kl-loss-coef", "0.01"], "use_kl_loss is false"),
         (["--eps-clip-c", "0.5"], "must be > 1"),
+        (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+         "megatron.virtual_pipeline_model_parallel_size: virtual pipeline stages"),
         (["--advantage-estimator", "reinforce_plus_plus"], "needs normalize_advantages"),
         (["--use-dynamic-batch-size"], "needs max_tokens_per_gpu"),
         (["--run-id", "../other"], "--run-id: run.run_id: .*must be one directory name"),

@@ -67,7 +67,7 @@ def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
     if size % world_size:
         raise ConfigError(f"{size} samples per optimizer step cannot be split over {world_size} data-parallel "
                           "ranks; make global_batch_size (or the rollout size / num_steps_per_rollout) a multiple "
-                          "of the number of train actors")
+                          "of the number of data-parallel ranks (train actors / (TP x PP))")
     if workloads is None:
         return [samples[k * size:(k + 1) * size][rank::world_size] for k in range(steps)]
     return [[samples[k * size + i] for i in balanced_partition(workloads[k * size:(k + 1) * size], world_size)[rank]]
@@ -188,7 +188,12 @@ class TrainActor:
         """Join the process group, build model/optimizer/scheduler, load weights; the first rollout id."""
         from transformers import AutoTokenizer
 
-        from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+        from slime.backends.megatron.bridge import (
+            build_model,
+            init_megatron,
+            make_bridge,
+            model_parallel_sizes,
+        )
         from slime.backends.megatron.freeze import freeze_callback
         from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.lora import LoraSpec, lora_callback
@@ -204,7 +209,9 @@ class TrainActor:
             raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
                               "policy_loss only")
         self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
-        init_megatron(seed=c.run.seed, rank=self.rank, world_size=self.world_size, init_method=init_method,
+        tp, pp = model_parallel_sizes(c.megatron, self.world_size)
+        init_megatron(seed=c.run.seed, tensor_parallel=tp, pipeline_parallel=pp, rank=self.rank,
+                      world_size=self.world_size, init_method=init_method,
                       timeout_minutes=c.cluster.distributed_timeout_minutes)
         import torch
 
@@ -344,6 +351,8 @@ class TrainActor:
 
     def train(self, rollout_id: int, uri: str) -> dict[str, float]:
         """Train on the rollout shard set at `uri`; global metrics (identical on every rank)."""
+        from megatron.core import parallel_state
+
         from slime.backends.megatron.train import StepSettings, train_step
         from slime.storage import read_samples
 
@@ -362,7 +371,9 @@ class TrainActor:
         workloads = None
         if c.train.balance_data:
             workloads = [self._flops(len(s.tokens)) for s in samples]
-        shares = rank_share(samples, steps, self.rank, self.world_size, workloads)
+        # data-parallel shares: the ranks of one tensor/pipeline-parallel group train on the same samples
+        shares = rank_share(samples, steps, parallel_state.get_data_parallel_rank(),
+                            parallel_state.get_data_parallel_world_size(), workloads)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
         arrays, stats = self._arrays(rollout_id, mine)

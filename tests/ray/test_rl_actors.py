@@ -142,6 +142,26 @@ def test_one_rank_trains_like_two(config, placement, trained):
 
 
 @pytest.mark.slow
+def test_two_pipeline_stages_train_like_two_data_parallel_ranks(config, placement, trained):
+    """--pipeline-model-parallel-size 2 over the 2 train ranks (DP 1): megatron's 1F1B schedule between the
+    ranks; both return the global metrics of the 2-rank data-parallel step on the same rollout."""
+    uri, metrics, _, _ = trained
+    staged = config.model_copy(deep=True)
+    staged.checkpoint.save = None  # must not resume the data-parallel checkpoint
+    staged.megatron = {"pipeline_model_parallel_size": 2}
+    group = TrainGroup(staged, placement)
+    try:
+        assert group.init() == 0
+        piped = group.train(10, uri)
+    finally:
+        group.shutdown()
+    check_first_step(piped)
+    for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
+                 "train/train_rollout_logprob_abs_diff"):
+        assert piped[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.slow
 def test_megatron_hooks_get_slimes_arguments(config, placement, trained, tmp_path):
     """--custom-megatron-init-path and the before-log-prob / before-train-step hooks, written to slime's
     signatures (ray_plugins), run in the train rank at slime's points with slime's arguments."""

@@ -81,6 +81,23 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     model_parallel_cuda_manual_seed(seed)
 
 
+def model_parallel_sizes(megatron: dict[str, Any], world_size: int,
+                         world: str = "cluster.actor_num_nodes x actor_num_gpus_per_node") -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes from the `megatron:` pass-through options
+    (--tensor-model-parallel-size, --pipeline-model-parallel-size), checked against the train world:
+    data parallelism takes what is left, so TP x PP must divide it."""
+    tp = int(megatron.get("tensor_model_parallel_size") or 1)
+    pp = int(megatron.get("pipeline_model_parallel_size") or 1)
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"megatron.tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) "
+                          "must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"{world_size} train ranks cannot be split into tensor_model_parallel_size {tp} x "
+                          f"pipeline_model_parallel_size {pp} groups: TP x PP must divide the number of train "
+                          f"ranks ({world})")
+    return tp, pp
+
+
 def close_megatron() -> None:
     """Leave the process group together: a barrier, then Megatron's and torch's groups destroyed.
 
@@ -181,19 +198,32 @@ def uses_local_export(bridge: Any) -> bool:
 def export_hf_weights(bridge: Any, models: list[torch.nn.Module]) -> Any:
     """Iterator of (HF name, tensor) for the current Megatron weights, padded vocab rows removed.
 
-    Same names, order and values as mbridge's `export_weights`; without pipeline or expert
-    parallelism it goes through `_export_local`, which drops mbridge's per-tensor object
+    Same names, order and values as mbridge's `export_weights` (with pipeline parallelism it gathers
+    every stage's weights on every rank, `_export_stages`); without pipeline or expert parallelism it
+    goes through `_export_local`, which drops mbridge's per-tensor object
     collectives (docs/sync.md, "Export"). A model with LoRA adapters exports merged weights
     (base + scale * B @ A, `lora.merged_weight`) and no adapter tensor.
     """
     vocab = bridge.hf_config.vocab_size
     if not uses_local_export(bridge) and any(has_adapters(m) for m in models):
         raise ConfigError("LoRA weight export needs one pipeline stage and a dense model (no expert parallelism)")
-    weights = _export_local(bridge, models) if uses_local_export(bridge) else bridge.export_weights(models)
+    weights = _export_local(bridge, models) if uses_local_export(bridge) else _export_stages(bridge, models)
     for name, tensor in weights:
         if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] > vocab:
             tensor = tensor[:vocab]
         yield name, tensor
+
+
+def _export_stages(bridge: Any, models: list[torch.nn.Module]) -> Any:
+    """mbridge's `export_weights` (each stage's weights broadcast over the pipeline group, so every rank
+    yields all of them), each HF name once: with tied embeddings and several stages, the last stage holds
+    its own copy of the embedding as the output layer (kept equal by megatron's embedding-group gradient
+    all-reduce), which mbridge maps to the embedding's HF name a second time."""
+    seen: set[str] = set()
+    for name, tensor in bridge.export_weights(models):
+        if name not in seen:
+            seen.add(name)
+            yield name, tensor
 
 
 def _export_local(bridge: Any, models: list[torch.nn.Module]) -> Any:

@@ -29,7 +29,7 @@ import torch
 
 from slime.algorithms.policy_loss import entropy_from_logits
 from slime.backends.megatron.batching import micro_batches
-from slime.backends.megatron.forward import forward_only
+from slime.backends.megatron.forward import forward_only, is_last_stage, pipeline_size, share_from_last_stage
 from slime.errors import ConfigError
 from slime.types import Sample
 
@@ -83,8 +83,6 @@ def response_log_probs(
     """Log-probs `[B, R_max]` of the response tokens (0 where masked), the mask, and optionally the
     entropy `[B, R_max]` of each scoring distribution, computed `chunk_size` response positions at a time
     (all at once when <= 0). Gradients flow when called with grad enabled."""
-    if temperature <= 0:
-        raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
     return score_logits(forward_logits(model, batch), batch, vocab_size=vocab_size, temperature=temperature,
                         with_entropy=with_entropy, chunk_size=chunk_size)
 
@@ -103,6 +101,8 @@ def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, t
     the backward pass instead of keeping its activations (slime's --recompute-loss-function)."""
     from megatron.core import parallel_state
 
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0 to score tokens, got {temperature}")
     seq = batch.tokens.shape[1]
     positions, mask = response_positions(batch)
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
@@ -178,18 +178,30 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                           workload=workload)
     device = next(models[0].parameters()).device
 
-    def score(model: torch.nn.Module, indices: list[int]) -> tuple[list[int], PaddedBatch, tuple]:
-        batch = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
-        out = response_log_probs(model, batch, vocab_size=vocab_size, temperature=temperature,
-                                 with_entropy=with_entropy, chunk_size=chunk_size)
+    padded: dict[int, PaddedBatch] = {}  # id(indices) -> its batch, from `run` to `collect`
+
+    def run(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
+        batch = padded[id(indices)] = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
+        return forward_logits(model, batch)
+
+    def collect(indices: list[int], logits: torch.Tensor) -> tuple[list[int], PaddedBatch, tuple]:
+        batch = padded.pop(id(indices))
+        out = score_logits(logits, batch, vocab_size=vocab_size, temperature=temperature,
+                           with_entropy=with_entropy, chunk_size=chunk_size)
         return indices, batch, out
 
     log_probs: list[torch.Tensor | None] = [None] * len(samples)
     entropies: list[torch.Tensor | None] = [None] * len(samples)
-    for indices, batch, (logp, _, entropy) in forward_only(models, parts, score, wrap=profile):
+    for indices, batch, (logp, _, entropy) in forward_only(models, parts, run, collect, wrap=profile):
         for row, i in enumerate(indices):
             n = int(batch.response_lengths[row])
             log_probs[i] = logp[row, :n].float().cpu()
             if entropy is not None:
                 entropies[i] = entropy[row, :n].float().cpu()
+    if pipeline_size() > 1:  # the last stage scored them; every stage returns them
+        lengths = [s.response_length for s in samples]
+        last = is_last_stage()
+        log_probs = share_from_last_stage(log_probs if last else None, lengths, device)
+        if with_entropy:
+            entropies = share_from_last_stage(entropies if last else None, lengths, device)
     return SampleLogProbs(log_probs, entropies if with_entropy else None)

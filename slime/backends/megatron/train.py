@@ -17,7 +17,9 @@ mean over its D trained tokens (`calculate_per_token_loss`; D = sum_i max(n_i, 1
 losses are its share of the global loss. Two scale factors undo what Megatron does to them: the
 schedule divides each micro-batch loss by the number of micro-batches, and DDP averages the gradients
 over data-parallel ranks; hence x num_microbatches x dp_size. Metrics are the same reductions, summed
-over micro-batches and ranks: every rank returns the global values.
+over micro-batches and ranks: every rank returns the global values. With pipeline parallelism the
+schedule is megatron's 1F1B: each stage's forward step calls its part of the model, the last stage's loss
+function scores the logits, and the metrics are broadcast from the last stage (`forward.py`).
 
 Policy variants follow `advantage_estimator`: gspo uses the sequence-level ratio, cispo the CISPO
 loss, every other estimator the (dual-)clipped PPO surrogate. Old log-probs are the rollout engine's
@@ -52,9 +54,9 @@ from slime.algorithms.policy_loss import (
 )
 from slime.algorithms.reduce import sample_mean, token_mean
 from slime.backends.megatron.batching import micro_batches
-from slime.backends.megatron.critic import response_values
-from slime.backends.megatron.forward import check_single_stage
-from slime.backends.megatron.logprobs import forward_logits, response_log_probs, score_logits
+from slime.backends.megatron.critic import values_from_output
+from slime.backends.megatron.forward import broadcast_from_last_stage, prepare_schedule
+from slime.backends.megatron.logprobs import forward_logits, score_logits
 from slime.backends.megatron.step_data import MicroBatch, TrainArrays, build_micro_batch
 from slime.errors import ConfigError, DataFormatError
 from slime.plugins import PluginError, load_function, load_plugin_field
@@ -278,30 +280,36 @@ def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, tra
 
 
 def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    """Forward one micro-batch; return its output and the closure the schedule calls for the loss."""
+    """Forward one micro-batch; return the model's output and the closure the schedule calls for the loss.
+
+    The output is the logits (the critic's values) on the last pipeline stage, hidden states on the
+    others; only the last stage calls `loss_func`, which scores the output. With slime's
+    --recompute-loss-function the scoring runs under `torch.utils.checkpoint`, so the `[b, R, V]` softmax
+    activations are not kept for the backward pass but recomputed there (same values, less memory)."""
     micro: MicroBatch = next(data_iterator)
     s = step.settings
-    if s.recompute_loss_function and s.loss_type != "value_loss":
-        return _recomputed_forward_step(step, micro, model)
-    if s.loss_type == "value_loss":
-        output, response_mask = response_values(model, micro.batch)
-        entropy = None
-    else:
-        output, response_mask, entropy = response_log_probs(model, micro.batch, vocab_size=step.vocab_size,
-                                                            temperature=s.temperature,
-                                                            with_entropy=s.loss_type == "policy_loss",
-                                                            chunk_size=s.log_probs_chunk_size)
+
+    def terms(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if s.loss_type == "value_loss":
+            values, response_mask = values_from_output(output, micro.batch)
+            return _loss_terms(step, micro, values, None, response_mask & micro.loss_mask)
+        logp, response_mask, entropy = score_logits(output, micro.batch, vocab_size=step.vocab_size,
+                                                    temperature=s.temperature,
+                                                    with_entropy=s.loss_type == "policy_loss",
+                                                    chunk_size=s.log_probs_chunk_size)
         if entropy is not None and not s.entropy_coef:
             entropy = entropy.detach()  # a metric only: keep it out of the graph
-    mask = response_mask & micro.loss_mask
+        return _loss_terms(step, micro, logp, entropy, response_mask & micro.loss_mask)
+
+    recompute = s.recompute_loss_function and s.loss_type != "value_loss"
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total, parts = _loss_terms(step, micro, output, entropy, mask)
+        total, parts = checkpoint(terms, output, use_reentrant=False) if recompute else terms(output)
         reported = {name: value.detach() for name, value in parts.items()}
         reported["loss"] = total.detach()
         return total * step.scale, reported
 
-    return output, loss_func
+    return forward_logits(model, micro.batch), loss_func
 
 
 def _loss_terms(step: _Step, micro: MicroBatch, output: torch.Tensor, entropy: torch.Tensor | None,
@@ -317,30 +325,6 @@ def _loss_terms(step: _Step, micro: MicroBatch, output: torch.Tensor, entropy: t
     out = value_loss(output, old, micro.returns, mask, s.value_clip)
     total = step.reduce(out.loss, mask)
     return total, {"value_loss": total, "value_clipfrac": step.reduce(out.clipfrac, mask)}
-
-
-def _recomputed_forward_step(step: _Step, micro: MicroBatch, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    """slime's --recompute-loss-function: the forward returns the logits, and the loss function scores them
-    under `torch.utils.checkpoint`, so the `[b, R, V]` softmax activations are not kept for the backward
-    pass but recomputed there (same values, less memory, one more scoring pass)."""
-    s = step.settings
-
-    def terms(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp, response_mask, entropy = score_logits(logits, micro.batch, vocab_size=step.vocab_size,
-                                                    temperature=s.temperature,
-                                                    with_entropy=s.loss_type == "policy_loss",
-                                                    chunk_size=s.log_probs_chunk_size)
-        if entropy is not None and not s.entropy_coef:
-            entropy = entropy.detach()
-        return _loss_terms(step, micro, logp, entropy, response_mask & micro.loss_mask)
-
-    def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total, parts = checkpoint(terms, logits, use_reentrant=False)
-        reported = {name: value.detach() for name, value in parts.items()}
-        reported["loss"] = total.detach()
-        return total * step.scale, reported
-
-    return forward_logits(model, micro.batch), loss_func
 
 
 def _global_counts(samples: list[Sample], device: torch.device) -> tuple[int, int]:
@@ -377,7 +361,7 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
 
     arrays = arrays or TrainArrays()
     _check_inputs(samples, settings, arrays)
-    check_single_stage()
+    prepare_schedule(models)
     device = next(models[0].parameters()).device
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
                           use_dynamic_batch_size=settings.use_dynamic_batch_size,
@@ -396,7 +380,8 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
         num_microbatches=len(micro), seq_length=max(m.batch.tokens.shape[1] for m in micro),
         micro_batch_size=max(len(m.indices) for m in micro), forward_only=False)
     updated, grad_norm, _ = optimizer.step()
-    metrics = _sum_over_ranks(reduced, device)
+    # the loss parts exist on the last pipeline stage only (the others' `reduced` is empty)
+    metrics = broadcast_from_last_stage(_sum_over_ranks(reduced, device))
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
                    update_successful=float(bool(updated)), lr=optimizer.param_groups[0]["lr"],
                    num_microbatches=float(len(micro)),
