@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import slime
+from slime.data.pretrain import PretrainRecipe, pretrain
 from slime.errors import ConfigError, DataFormatError
 
 if TYPE_CHECKING:
@@ -130,6 +131,16 @@ class TinyKitRecipe(_Strict):
     seed: int = 1234
     model: ModelRecipe = Field(default_factory=ModelRecipe)
     data: DataRecipe = Field(default_factory=DataRecipe)
+    # None: the model is the random init. Set: it is pretrained on another task first (slime/data/pretrain.py),
+    # a base for LoRA, which cannot learn through a random init's frozen embeddings.
+    pretrain: PretrainRecipe | None = None
+
+    def manifest_json(self) -> dict[str, Any]:
+        """The recipe as kit.json records it (no `pretrain` key when there is none, as kits built before it)."""
+        dump = self.model_dump(mode="json")
+        if dump["pretrain"] is None:
+            del dump["pretrain"]
+        return dump
 
 
 @dataclass(frozen=True)
@@ -344,6 +355,8 @@ def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTok
             model = Qwen2ForCausalLM(config)
         finally:
             torch.set_default_dtype(old_dtype)
+    if recipe.pretrain is not None:
+        pretrain(model, tokenizer, recipe.pretrain, recipe.seed)
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -370,7 +383,7 @@ def _existing_kit(root: Path, recipe: TinyKitRecipe) -> TinyKit | None:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise DataFormatError(f"{manifest_path}: unreadable kit manifest ({exc}); delete {root}") from None
-    want = {"format_version": KIT_FORMAT_VERSION, "recipe": recipe.model_dump(mode="json")}
+    want = {"format_version": KIT_FORMAT_VERSION, "recipe": recipe.manifest_json()}
     if {k: manifest.get(k) for k in want} != want:
         raise ConfigError(f"{root} holds a tiny kit of another recipe; pick another directory or delete it")
     for rel, digest in manifest["files"].items():
@@ -392,7 +405,7 @@ def _build(tmp: Path, recipe: TinyKitRecipe) -> dict[str, Any]:
     files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {
         "format_version": KIT_FORMAT_VERSION,
-        "recipe": recipe.model_dump(mode="json"),
+        "recipe": recipe.manifest_json(),
         "tokenizer_vocab_size": len(tokenizer),
         "model_vocab_size": padded_vocab_size(len(tokenizer), recipe.model.vocab_multiple),
         "param_count": param_count,

@@ -213,7 +213,7 @@ def test_manifest_lists_every_file(kit: TinyKit) -> None:
     assert set(manifest["files"]) == on_disk
     for rel, digest in manifest["files"].items():
         assert hashlib.sha256((kit.root / rel).read_bytes()).hexdigest() == digest
-    assert manifest["recipe"] == load_recipe(TEST_RECIPE).model_dump(mode="json")
+    assert manifest["recipe"] == load_recipe(TEST_RECIPE).manifest_json()
     assert kit.root / manifest["model_dir"] == kit.model_dir
     assert [kit.root / manifest["data"][s] for s in ("train", "eval", "sft")] == [
         kit.train,
