@@ -75,3 +75,30 @@ def test_sync_bytes_and_seconds(record):
         export = statistics.median(r["seconds"].get("export", 0.0) for r in rows)
         print(f"{name}: {rows[0]['bytes'] / 1e6:.3f} MB, {rows[0]['tensors']} tensors; median of {len(rows)}: "
               f"total {total * 1000:.1f} ms (export {export * 1000:.1f} ms, transfer {transfer * 1000:.1f} ms)")
+
+
+@pytest.mark.slow  # ~55 s on 2 loaded cores (a Megatron TrainActor in a subprocess)
+def test_train_actor_syncs_adapters_and_rollout_requests_name_them(tiny_kit, tmp_path):
+    """`TrainActor.update_weights` under lora_sync adapter (its PEFT writer, its choice of no base push: the base is
+    the engine's HF checkpoint), and `generate_turn` carrying lora_path once the rollout manager set it."""
+    flags = ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "k_proj", "v_proj",
+             "o_proj", "gate_proj", "up_proj", "down_proj"]
+    process, url = start_builtin_engine(str(tiny_kit.model_dir), log_path=tmp_path / "engine.log", dtype="float32",
+                                        extra_args=flags)
+    try:
+        with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+            done = subprocess.run([sys.executable, str(Path(__file__).with_name("train_actor_adapter_sync.py")),
+                                   str(tiny_kit.model_dir), str(tmp_path), url],
+                                  stdout=out, stderr=err, timeout=600, cwd=ROOT)
+    finally:
+        process.stop()
+    assert done.returncode == 0, (tmp_path / "err.txt").read_text()[-4000:]
+    line = next(line for line in (tmp_path / "out.txt").read_text().splitlines() if line.startswith("{"))
+    rows = json.loads(line)["rows"]
+    for version, row in enumerate(rows, start=1):
+        assert row["metrics"]["sync/bytes"] > 0 and "sync/base_export_s" not in row["metrics"]
+        assert max(gaps(row["engine"], row["trainer"])) < 1e-5, f"version {version}"
+        assert row["turn_version"] == str(version), "generate_turn's request reached the synced engine"
+        assert "requested LoRA adapters are not loaded: not_loaded" in row["refused"], row["refused"]
+        assert row["listing"] == [f"lora_adapter_{version}"]
+    assert rows[0]["engine"] != rows[1]["engine"], "the second sync replaced the adapter"
