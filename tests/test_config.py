@@ -215,6 +215,7 @@ def test_lora_refuses_partial_training_lists_and_an_adapter_without_rank():
 
 def test_lora_adapter_sync_flags_and_refusals():
     from slime.engines.fleet import lora_engine_args
+    from slime.engines.sglang_server import build_sglang_command
     from slime.sync import resolve_mode
 
     config = load_config(None, ["--lora-rank", "8", "--target-modules", "q_proj,k_proj,v_proj,down_proj",
@@ -223,6 +224,9 @@ def test_lora_adapter_sync_flags_and_refusals():
     assert lora_engine_args(config) == {"enable_lora": True, "max_lora_rank": 8,
                                         "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}
     assert lora_engine_args(load_config(None, ["--lora-rank", "8"])) == {}, "merged (the default) needs no flags"
+    command = build_sglang_command("model", "127.0.0.1", 30000, lora_engine_args(config))  # SGLang validates them
+    assert command[command.index("--enable-lora"):] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                                                        "q_proj", "k_proj", "v_proj", "down_proj"]
     with pytest.raises(ConfigError, match="--lora-sync: sync.lora_sync: adapter sync sends LoRA adapters"):
         load_config(None, ["--lora-sync", "adapter"])
     with pytest.raises(ConfigError, match="sync.lora_sync: .* weight_sync_mode distributed sends full tensors"):
