@@ -689,12 +689,12 @@ class TrainActor:
                 return iter(peft_state_dict(self.bridge, self.models).items())
             return export_hf_weights(self.bridge, self.models)
 
-        if self.rank != 0:
-            if base is not None and not self._synced_once:  # rank 0's first sync writes the base: drain with it
-                for _ in base():
-                    pass
+        if self.rank != 0:  # the collectives in rank 0's order: the adapters, then (first sync) the base
             for _ in weights():
                 pass
+            if base is not None and not self._synced_once:
+                for _ in base():
+                    pass
             self._synced_once = True
             self.keep_old_weights_after_sync()
             return {}
