@@ -1,7 +1,8 @@
 """`slime rl` end to end on CPU (tiny kit, GRPO, one local Ray cluster for the module): 2 built-in
 engines behind the router and 2 data-parallel train ranks run 3 rollouts with saves, evals and a
 weight sync every step; a run stopped after its checkpoint resumes with the same next batch as an
-uninterrupted run; async mode samples one weight version behind."""
+uninterrupted run; async mode samples one weight version behind; LoRA with adapter-only sync stays
+on-policy."""
 
 from __future__ import annotations
 
