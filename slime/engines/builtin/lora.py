@@ -4,7 +4,7 @@ SGLang keeps adapters beside the base weights and applies the one a request name
 /generate body) in its kernels. The built-in engine runs a plain `transformers` model, so it holds **one**
 adapter at a time and applies it by merging: each targeted weight becomes `base + scale * B @ A` (computed
 in fp32, then cast to the engine's dtype, as the trainer's merged export does). The base values of the
-targeted weights are kept on the side, so loading another adapter replaces the delta (base + new delta,
+targeted weights are kept on the side (in host memory), so loading another adapter replaces the delta (base + new delta,
 never stacked) and unloading copies the base back exactly. Every change is an in-place `copy_` on the model
 thread between two decode steps, so parameter storage (and captured CUDA graphs) stay valid.
 
@@ -59,7 +59,7 @@ class LoraAdapters:
         self.target_modules = set(target_modules or []) - {"all"} or None  # None: any module (SGLang's "all")
         self.model_path = model_path
         self.active: LoadedAdapter | None = None
-        self._base: dict[str, torch.Tensor] = {}  # weight name -> its base values, while an adapter is merged
+        self._base: dict[str, torch.Tensor] = {}  # weight name -> its base values (host), while an adapter is merged
 
     # ------------------------------------------------------------------ endpoints
 
@@ -175,8 +175,8 @@ class LoraAdapters:
         params = dict(self.model.named_parameters())
         for name, delta in deltas.items():
             weight = params[name]
-            self._base[name] = weight.detach().clone()
-            weight.copy_(self._base[name].float() + delta.to(weight.device))
+            self._base[name] = weight.detach().to("cpu", copy=True)  # host memory: the GPU keeps one copy
+            weight.copy_(weight.float() + delta.to(weight.device))
 
     @torch.no_grad()
     def _restore(self) -> None:
