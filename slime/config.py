@@ -600,6 +600,10 @@ class SyncConfig(_Section):
     custom_update_weight_post_write_path: str | None = Field(
         None, description="disk mode: hook(args, version_dir, rollout_engines) after the files are written, before "
                           "engines read them; rollout_engines are the engine URLs")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged", description="with LoRA: merged sends base + scale * B @ A through weight_sync_mode; adapter writes "
+                              "only the adapters as a PEFT directory under update_weight_disk_dir and the engines "
+                              "load it (/load_lora_adapter; requests carry lora_path); docs/lora.md")
 
     @field_validator("async_mode", mode="before")
     @classmethod
@@ -1213,6 +1217,30 @@ def check_async_mode(config: Config, fail: Any) -> None:
              f"{sync.max_policy_version_lag}", "sync.async_mode", "sync.update_weights_interval")
 
 
+def _check_adapter_sync(config: Config, fail: Any) -> None:
+    """sync.lora_sync adapter: the engines read a PEFT directory from the sync directory and apply it to the base
+    (the HF checkpoint they start from, or a base the first sync sends: slime/sync/adapter.py)."""
+    s = config.sync
+    if not config.lora.enabled:
+        fail("sync.lora_sync", "adapter sync sends LoRA adapters: set lora_rank (or lora_sync merged)", "lora.lora_rank")
+    if s.weight_sync_mode not in ("auto", "disk"):
+        fail("sync.lora_sync", f"adapter sync writes a PEFT directory the engines load from disk; weight_sync_mode "
+             f"{s.weight_sync_mode} sends full tensors (set it to auto or disk, or lora_sync merged)",
+             "sync.weight_sync_mode")
+    if s.update_weight_mode == "delta":
+        fail("sync.lora_sync", "adapter sync already sends the adapters only: delta sync does not apply",
+             "sync.update_weight_mode")
+    if config.run.check_weight_update_equal:
+        fail("run.check_weight_update_equal", "compares the engines' full weights with the HF checkpoint after the "
+             "first sync; adapter sync leaves them at the base plus a merged (built-in) or separate (SGLang) adapter",
+             "sync.lora_sync")
+    if config.engine.engine == "sglang":
+        given = config.sglang_arg("max_lora_rank")
+        if given is not None and int(given) < config.lora.lora_rank:
+            fail("sglang.max_lora_rank", f"{given} is below lora.lora_rank {config.lora.lora_rank}: SGLang would "
+                 "refuse the adapter", "lora.lora_rank")
+
+
 def _check_share_gpu(config: Config, fail: Any) -> None:
     """cluster.share_gpu: both sides stay resident on one GPU, so their parts must fit it and nothing may
     offload; NCCL refuses two ranks of one communicator on one GPU, so weights go by tensor (or disk)."""
@@ -1386,7 +1414,7 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("run.ci_load_grad_norm", "set ci_save_grad_norm or ci_load_grad_norm, not both", "run.ci_save_grad_norm")
     s = config.sync
     for name in ("update_weight_disk_keep_files", "custom_update_weight_post_write_path"):
-        if getattr(s, name) and s.weight_sync_mode != "disk":
+        if getattr(s, name) and s.weight_sync_mode != "disk" and s.lora_sync != "adapter":
             fail(f"sync.{name}", f"applies to disk weight sync: set weight_sync_mode disk (or "
                  f"--update-weight-transport disk); it is {s.weight_sync_mode}")
     if s.update_weight_mode == "delta":
@@ -1405,6 +1433,8 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                      "training lists do not apply (set lora_rank 0 to use them)", "lora.lora_rank")
     elif config.lora.lora_adapter_path:
         fail("lora.lora_adapter_path", "starting from an adapter needs LoRA on: set lora_rank (the adapter's rank)")
+    if s.lora_sync == "adapter":
+        _check_adapter_sync(config, fail)
     if config.rollout.rollout_data_transport == "nixl":
         fail("rollout.rollout_data_transport", "NIXL is not built here: rollout data reaches the trainer as an "
              "Arrow shard set in the store (object-store)")

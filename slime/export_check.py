@@ -2,7 +2,7 @@
 
 The evaluate stage serves a checkpoint through the engines and stores every eval sample with its
 response and reward. `check_exported_answers` loads the exported directory with plain `transformers`
-(no engine, no Megatron), greedily decodes the same prompt token ids, scores the answers with the same
+(no engine, no Megatron; a PEFT adapter directory, `slime export --merge false`, on its base through peft), greedily decodes the same prompt token ids, scores the answers with the same
 reward function and compares sample by sample. It only applies to greedy evals (`eval_temperature`
 0): sampled answers cannot be compared one by one.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 from typing import Any
 
 from slime.config import Config
@@ -62,11 +63,30 @@ def _generate(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_toke
     return answers
 
 
+def load_exported(path: str) -> tuple[Any, str]:
+    """(fp32 model, tokenizer directory) of an export: an HF model directory, or a PEFT adapter directory
+    (`slime export --merge false`) applied by peft to its base, `base_model_name_or_path` (a local HF directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(path).base_model_name_or_path
+        if not base or not os.path.isfile(os.path.join(base, "config.json")):
+            raise ConfigError(f"{path} is a PEFT adapter whose base_model_name_or_path {base!r} is not a local HF "
+                              "model directory: the check cannot load its base")
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else base
+        return PeftModel.from_pretrained(model, path).eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
+
+
 def check_exported_answers(config: Config, hf_dir: str, eval_result: str, dataset: str) -> dict[str, Any]:
     """Compare `hf_dir`'s greedy answers with the samples of `dataset` in the committed eval result
     `eval_result`; returns counts, both accuracies (mean reward) and the first mismatches."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from slime.rollout.eval import dataset_args, dataset_sampling_params, eval_datasets
 
@@ -87,8 +107,8 @@ def check_exported_answers(config: Config, hf_dir: str, eval_result: str, datase
     stops = list(params.get("stop") or [])
     max_new = params["max_new_tokens"]
     hf_dir = local_copy(config, hf_dir)  # an export in a remote store: its staged download
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model, tokenizer_dir = load_exported(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if torch.cuda.is_available():
         model = model.to("cuda")
     prompts = [s.tokens[: len(s.tokens) - s.response_length] for s in samples]

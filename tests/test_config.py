@@ -215,6 +215,34 @@ def test_lora_refuses_partial_training_lists_and_an_adapter_without_rank():
         load_config(None, ["--lora-adapter-path", "runs/x/sft/checkpoint"])
 
 
+def test_lora_adapter_sync_flags_and_refusals():
+    from slime.engines.fleet import lora_engine_args
+    from slime.engines.sglang_server import build_sglang_command
+    from slime.sync import resolve_mode
+
+    config = load_config(None, ["--lora-rank", "8", "--target-modules", "q_proj,k_proj,v_proj,down_proj",
+                                "--lora-sync", "adapter"])
+    assert resolve_mode(config.sync, colocated=True) == "adapter"
+    assert lora_engine_args(config) == {"enable_lora": True, "max_lora_rank": 8,
+                                        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}
+    assert lora_engine_args(load_config(None, ["--lora-rank", "8"])) == {}, "merged (the default) needs no flags"
+    command = build_sglang_command("model", "127.0.0.1", 30000, lora_engine_args(config))  # SGLang validates them
+    assert command[command.index("--enable-lora"):] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                                                        "q_proj", "k_proj", "v_proj", "down_proj"]
+    with pytest.raises(ConfigError, match="--lora-sync: sync.lora_sync: adapter sync sends LoRA adapters"):
+        load_config(None, ["--lora-sync", "adapter"])
+    with pytest.raises(ConfigError, match="sync.lora_sync: .* weight_sync_mode distributed sends full tensors"):
+        load_config(None, ["--lora-rank", "8", "--lora-sync", "adapter", "--weight-sync-mode", "distributed"])
+    with pytest.raises(ConfigError, match="sync.lora_sync: .* delta sync does not apply"):
+        load_config(None, ["--lora-rank", "8", "--lora-sync", "adapter", "--update-weight-mode", "delta",
+                           "--update-weight-local-checkpoint-dir", "/tmp/x", "--weight-sync-mode", "disk"])
+    with pytest.raises(ConfigError, match="sglang.max_lora_rank: 4 is below lora.lora_rank 8"):
+        load_config(None, ["--lora-rank", "8", "--lora-sync", "adapter", "--engine", "sglang",
+                           "--sglang-max-lora-rank", "4"])
+    kept = load_config(None, ["--lora-rank", "8", "--lora-sync", "adapter", "--update-weight-disk-keep-files"])
+    assert kept.sync.update_weight_disk_keep_files, "adapter sync writes to the disk dir: its options apply"
+
+
 def test_share_gpu_fractions_and_what_they_imply():
     from slime.engines.fleet import engine_memory_limit
     from slime.sync import resolve_mode

@@ -54,3 +54,27 @@ def test_sampled_evals_and_unknown_datasets_are_refused(tiny_kit, evaluated):
             update={"eval_temperature": 1.0})}), str(tiny_kit.model_dir), result["result"], "arithmetic")
     with pytest.raises(ConfigError, match="'nope' is not in the config"):
         check_exported_answers(config, str(tiny_kit.model_dir), result["result"], "nope")
+
+
+def test_a_peft_adapter_directory_is_checked_on_its_base(tiny_kit, evaluated, tmp_path):
+    """`slime export --merge false` writes a PEFT directory: the check loads base + adapter with peft. A zero
+    adapter (peft's default init, B = 0) is the evaluated model; a random one changes answers and is caught."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config, result = evaluated
+    for name, init in (("zero", True), ("random", False)):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32)
+        peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
+                                               init_lora_weights=init, base_model_name_or_path=str(tiny_kit.model_dir)))
+        peft.save_pretrained(str(tmp_path / name))
+    same = check_exported_answers(config, str(tmp_path / "zero"), result["result"], "arithmetic")
+    assert same["same_answer"] == 40 and same["mismatches"] == []
+    changed = check_exported_answers(config, str(tmp_path / "random"), result["result"], "arithmetic")
+    assert changed["same_answer"] < 40 and changed["mismatches"]
+    (tmp_path / "nobase").mkdir()
+    (tmp_path / "nobase" / "adapter_config.json").write_text(
+        (tmp_path / "zero" / "adapter_config.json").read_text().replace(str(tiny_kit.model_dir), "some/hub-model"))
+    with pytest.raises(ConfigError, match="not a local HF model directory"):
+        check_exported_answers(config, str(tmp_path / "nobase"), result["result"], "arithmetic")

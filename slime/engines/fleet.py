@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from slime.config import Config
-from slime.engines.process import flag_key
+from slime.config import LORA_HF_TO_MEGATRON, Config
+from slime.engines.process import flag_key, flags_to_argv
 from slime.engines.router import SGLangRouter
 from slime.errors import ConfigError, EngineError, EngineStartError
 
@@ -160,6 +160,17 @@ def engine_memory_limit(config: Config) -> float | None:
     return rollout
 
 
+def lora_engine_args(config: Config) -> dict[str, Any]:
+    """SGLang's LoRA launch flags under adapter sync (`sync.lora_sync: adapter`): `--enable-lora`, the adapter's
+    rank as `--max-lora-rank` and its HF module names as `--lora-target-modules` (what the PEFT directory the
+    trainer writes targets); the built-in engine takes the same flags. Empty otherwise."""
+    if config.sync.lora_sync != "adapter":
+        return {}
+    megatron = set(config.lora.megatron_targets())
+    modules = [hf for hf, linear in LORA_HF_TO_MEGATRON.items() if linear in megatron]
+    return {"enable_lora": True, "max_lora_rank": config.lora.lora_rank, "lora_target_modules": modules}
+
+
 def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, devices: list[int],
                   keep: Any = None) -> str:
     """Start engine `index` of a fleet in this process (built-in or SGLang, bound to `engine.engine_host`,
@@ -174,11 +185,13 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
     limit = engine_memory_limit(c) if devices else None  # on the CPU there is no GPU to share
     if c.engine.engine == "sglang":
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
-        sglang_args = c.sglang if limit is None else {**c.sglang, "mem_fraction_static": limit}
+        sglang_args = {**lora_engine_args(c), **c.sglang}  # flags the user gives win
+        sglang_args = sglang_args if limit is None else {**sglang_args, "mem_fraction_static": limit}
         engine = SGLangEngine(model_dir, sglang_args=sglang_args, log_path=log_path, env=env, host=host)
         keep(engine)
         return reachable_url(engine.start().url, host)
     extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
+    extra += flags_to_argv(lora_engine_args(c))
     with _launch_lock, _visible_devices(devices):
         server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,
                                            extra_args=extra)

@@ -385,6 +385,10 @@ def check_across_nodes(config: Any, placement: Placement) -> None:
     if mode == "tensor":
         raise PlacementError(f"sync.weight_sync_mode tensor: {where}; tensor sync hands over shared-memory or CUDA "
                              "IPC handles that only the trainer's node can open: use weight_sync_mode distributed")
+    if mode == "adapter" and config.sync.update_weight_disk_dir is None:
+        raise PlacementError(f"sync.lora_sync adapter: {where}, and the adapters would go to a temporary directory "
+                             "of the trainer's node that they cannot read: set sync.update_weight_disk_dir to a "
+                             "directory every node mounts (a shared file system), or use lora_sync merged")
     if mode == "disk" and config.sync.update_weight_disk_dir is None:
         raise PlacementError(f"sync.weight_sync_mode disk: {where}, and the weights would go to a temporary "
                              "directory of the trainer's node that they cannot read: set sync.update_weight_disk_dir "

@@ -140,6 +140,10 @@ class RolloutManager:
         if self.weight_version is None:  # never synced: the new process loaded the same HF checkpoint
             self.fleet.register(index)
             return
+        if self.config.sync.lora_sync == "adapter":
+            if self._load_adapter(index, url):
+                self._register_if_current(index, url)
+            return
         path = self._disk_weights(self.weight_version)
         if path is None:
             logger.info("engine %d (%s) waits for the next weight sync (version after %s)", index, url,
@@ -153,6 +157,30 @@ class RolloutManager:
                            path, answer.status_code, answer.text[:300])
             return
         self._register_if_current(index, url)
+
+    def _load_adapter(self, index: int, url: str) -> bool:
+        """Adapter sync: give restarted engine `index` the base (when one was pushed) and the current adapter
+        from `sync.update_weight_disk_dir`; False (it waits for the next sync) when they are not there."""
+        from slime.sync.adapter import ADAPTER_NAME, adapter_dir, base_dir
+
+        directory = self.config.sync.update_weight_disk_dir
+        adapter = adapter_dir(directory, self.weight_version) if directory else None
+        if adapter is None or not (adapter / "adapter_config.json").is_file():
+            logger.info("engine %d (%s) waits for the next weight sync (adapter of %s not on disk)", index, url,
+                        self.weight_version)
+            return False
+        calls = [("/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(adapter)}),
+                 ("/update_weight_version", {"new_version": self.weight_version})]
+        if (base_dir(directory) / "config.json").is_file():
+            calls.insert(0, ("/update_weights_from_disk", {"model_path": str(base_dir(directory))}))
+        with httpx.Client(timeout=self.config.sync.weight_sync_timeout_s, trust_env=False) as http:
+            for path, body in calls:
+                answer = http.post(f"{url}{path}", json=body)
+                if answer.status_code != 200:
+                    logger.warning("engine %d: %s failed (HTTP %d: %s): it waits for the next weight sync", index,
+                                   path, answer.status_code, answer.text[:300])
+                    return False
+        return True
 
     def _disk_weights(self, version: str) -> Path | None:
         """The HF directory disk-mode sync wrote for `version`, when sync.update_weight_disk_dir names it."""
@@ -182,6 +210,10 @@ class RolloutManager:
         try:
             if version is not None:
                 self.weight_version = str(version)
+                if self.config.sync.lora_sync == "adapter":  # the policy is an adapter now: requests name it
+                    from slime.sync.adapter import ADAPTER_NAME
+
+                    self.args.engine_lora_name = ADAPTER_NAME
                 for slot in [s for s in self.fleet.slots if s.state == "awaiting_sync"]:
                     registered += self._register_if_current(slot.index, slot.url)
         finally:

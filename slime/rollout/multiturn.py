@@ -82,6 +82,8 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
     elif max_new_tokens is not None:
         params["max_new_tokens"] = max_new_tokens
     payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
+    if getattr(args, "engine_lora_name", None):  # adapter sync: the engines hold the policy as this adapter
+        payload["lora_path"] = args.engine_lora_name
     return await engine_client().post(f"{router_url(args)}/generate", payload)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from slime.config import SyncConfig
 from slime.engines.client import EngineClient
+from slime.errors import ConfigError
 from slime.sync.common import NamedTensors, SyncResult, Timer, WeightSyncError, post_all
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ PAUSED_STATE = ("The engines are left paused; the ones that failed in the update
 
 
 def resolve_mode(config: SyncConfig, colocated: bool) -> str:
-    """`weight_sync_mode` with `auto` resolved: tensor when colocated, distributed otherwise."""
+    """The transport: `adapter` under `lora_sync: adapter`, else `weight_sync_mode` with `auto` resolved (tensor
+    when colocated, distributed otherwise)."""
+    if config.lora_sync == "adapter":
+        return "adapter"
     if config.weight_sync_mode != "auto":
         return config.weight_sync_mode
     return "tensor" if colocated else "distributed"
@@ -49,17 +53,29 @@ class WeightSyncer:
 
     def __init__(self, config: SyncConfig, *, colocated: bool = False, hf_config: Any = None,
                  master_address: str = "127.0.0.1", backend: str | None = None,
-                 post_write: Callable[[str, list[str]], Any] | None = None) -> None:
+                 post_write: Callable[[str, list[str]], Any] | None = None,
+                 write_adapter: Callable[[dict[str, Any], str], None] | None = None,
+                 adapter_base: Callable[[], NamedTensors] | None = None) -> None:
+        """`write_adapter(state, dir)` writes a PEFT directory (adapter mode: `weights()` then yields PEFT's
+        adapter tensors); `adapter_base()` the base weights when the engines' HF checkpoint is not the base."""
         self.config = config
         self.mode = resolve_mode(config, colocated)
-        if self.mode == "disk":
+        if self.mode == "adapter":
+            from slime.sync.adapter import AdapterSync
+
+            if write_adapter is None:
+                raise ConfigError("sync.lora_sync adapter: the syncer needs write_adapter (the PEFT writer)")
+            directory = config.update_weight_disk_dir or tempfile.mkdtemp(prefix="slime-adapters-")
+            self.transport: Any = AdapterSync(directory, write_adapter, base=adapter_base, hf_config=hf_config,
+                                              keep_files=config.update_weight_disk_keep_files, post_write=post_write)
+        elif self.mode == "disk":
             from slime.sync.disk import DiskSync
 
             directory = config.update_weight_disk_dir or tempfile.mkdtemp(prefix="slime-weights-")
             if config.update_weight_mode == "delta":
                 from slime.sync.delta import DeltaSync
 
-                self.transport: Any = DeltaSync(directory, config.update_weight_local_checkpoint_dir, hf_config,
+                self.transport = DeltaSync(directory, config.update_weight_local_checkpoint_dir, hf_config,
                                                 encoding=config.update_weight_delta_encoding,
                                                 algorithm=config.update_weight_delta_checksum,
                                                 keep_files=config.update_weight_disk_keep_files,

@@ -3,7 +3,8 @@ manager (run in this process: no Ray needed for its engines) whose engine 1 is S
 mid-rollout (the step completes; the engine comes back on a new port and serves again after the next
 weight sync), while idle with disk-mode weights at hand (re-synced by the manager itself), and once more
 past the restart limit (it stays down; rollouts go on with engine 0). Then fully async generation (a manager
-of its own): an engine restarted mid-generation is part of the weight update and of the next pause's aborts."""
+of its own): an engine restarted mid-generation is part of the weight update and of the next pause's aborts.
+Last, LoRA adapter sync (a manager of its own): a killed engine comes back with the adapter from the sync dir."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from rl_setup import rl_config
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -326,3 +328,44 @@ def test_rl_loop_step_survives_an_engine_kill_and_the_next_step_uses_both(tiny_k
         assert step1["rl/logprob_abs_diff"] < 1e-4  # both engines sampled with the trainer's weights
     finally:
         loop.close()
+
+
+def test_lora_adapter_sync_engine_killed_is_given_the_adapter_from_disk(tiny_kit, tmp_path):
+    """`--lora-sync adapter`: the fleet launches the engines with SGLang's LoRA flags, a sync loads the adapter,
+    and an engine killed while idle comes back with that adapter (and version) from the sync directory."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from slime.sync.adapter import ADAPTER_NAME
+
+    config = rl_config(tiny_kit, tmp_path, "ft-lora", actor_num_gpus_per_node=1, rollout_num_gpus=2)
+    config.engine.use_fault_tolerance, config.engine.rollout_health_check_interval = True, INTERVAL_S
+    config.lora.lora_rank, config.lora.lora_alpha = 4, 8
+    config.sync.lora_sync, config.sync.update_weight_disk_dir = "adapter", str(tmp_path / "adapters")
+    torch.manual_seed(0)  # a trained-looking adapter (B non-zero), written by peft as the trainer would
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                                     base_model_name_or_path=str(tiny_kit.model_dir)))
+    syncer = WeightSyncer(config.sync, hf_config=AutoConfig.from_pretrained(tiny_kit.model_dir),
+                          write_adapter=lambda state, out: peft.save_pretrained(out, state_dict=state))
+    mgr = RolloutManager(config.model_dump(mode="json"), [[], []], str(tmp_path / "logs"))
+    try:
+        mgr.start()
+        base = _greedy(mgr.engines()[0]["url"])
+        urls = mgr.begin_weight_update()
+        asyncio.run(syncer.sync(urls, lambda: iter(get_peft_model_state_dict(peft).items()), "1"))
+        mgr.end_weight_update("1")
+        assert mgr.args.engine_lora_name == ADAPTER_NAME, "rollout requests name the adapter from now on"
+        adapted = _greedy(mgr.engines()[0]["url"])
+        assert adapted != base
+        before = mgr.engines()[1]
+        os.kill(before["pid"], signal.SIGKILL)
+        engine = _wait_state(mgr, 1, "serving", restarts=1)
+        assert engine["url"] != before["url"]
+        assert _get(f"{engine['url']}/model_info")["weight_version"] == "1"
+        assert _get(f"{engine['url']}/server_info")["internal_states"][0]["lora_adapters"] == [ADAPTER_NAME]
+        assert _greedy(engine["url"]) == adapted
+    finally:
+        pids = [e["pid"] for e in mgr.engines()]
+        mgr.dispose()
+        assert not any(_alive(pid) for pid in pids if pid)

@@ -248,7 +248,10 @@ def reference_adapters(models: list[torch.nn.Module], snapshot: dict[str, torch.
 @torch.no_grad()
 def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
     """This rank's shard of base + scale * B @ A for an adapted layer (the same split as `layer.weight`:
-    column shards are B's rows times A, row shards B times A's columns), computed in fp32."""
+    column shards are B's rows times A, row shards B times A's columns), computed in fp32; the base weight
+    itself inside `adapters_disabled` (what adapter sync sends engines that need the base)."""
+    if not layer._lora.enabled:
+        return layer.weight
     spec = layer._lora.spec
     delta = layer.lora_b.float() @ layer.lora_a.float()
     return (layer.weight.float() + spec.scale * delta).to(layer.weight.dtype)

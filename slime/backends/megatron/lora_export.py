@@ -37,13 +37,25 @@ def peft_state_dict(bridge: Any, models: list[torch.nn.Module]) -> dict[str, tor
             weight_name = names[f"{name}.weight"]
             a = gather_tensor_parallel(bridge, weight_name, layer.lora_a).detach().cpu()
             b = gather_tensor_parallel(bridge, weight_name, layer.lora_b).detach().cpu()
-            rows = torch.arange(b.shape[0], dtype=torch.float32).unsqueeze(1).expand(-1, a.shape[1]).contiguous()
-            hf_names, hf_rows = bridge._weight_to_hf_format(weight_name, rows)
-            for hf_name, index in zip(hf_names, hf_rows, strict=True):
+            for hf_name, index in _hf_rows(bridge, weight_name, b.shape[0], a.shape[1]):
                 module = "base_model.model." + hf_name.removesuffix(".weight")
                 out[f"{module}.lora_A.weight"] = a.clone()
-                out[f"{module}.lora_B.weight"] = b[index[:, 0].long()].clone()
+                out[f"{module}.lora_B.weight"] = b[index].clone()
     return out
+
+
+_ROWS: dict[tuple[int, str, int, int], list[tuple[str, torch.Tensor]]] = {}
+
+
+def _hf_rows(bridge: Any, weight_name: str, rows: int, cols: int) -> list[tuple[str, torch.Tensor]]:
+    """(HF weight name, the Megatron rows it takes) for a [rows, cols] weight: a row-index tensor sent through
+    mbridge's conversion, once per weight (a weight-sized tensor: adapter sync asks for it every sync)."""
+    key = (id(bridge.hf_config), weight_name, rows, cols)
+    if key not in _ROWS:
+        index = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(-1, cols).contiguous()
+        names, converted = bridge._weight_to_hf_format(weight_name, index)
+        _ROWS[key] = [(name, part[:, 0].long()) for name, part in zip(names, converted, strict=True)]
+    return _ROWS[key]
 
 
 def save_peft_adapter(bridge: Any, models: list[torch.nn.Module], out_dir: str, *, base_model: str) -> str | None:
@@ -61,19 +73,26 @@ def save_peft_adapter(bridge: Any, models: list[torch.nn.Module], out_dir: str, 
     return out_dir
 
 
+_PEFT_MODELS: dict[tuple, tuple[Any, dict[str, torch.Tensor]]] = {}
+
+
 def write_peft_adapter(state: dict[str, torch.Tensor], spec: lora.LoraSpec, out_dir: str, *, base_model: str,
                        hf_config: Any) -> None:
     """`state` (PEFT key names) saved by peft as the adapter of `spec` (r, lora_alpha, lora_dropout)."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    modules = sorted({key.split(".")[-3] for key in state})
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=modules,
-                        task_type="CAUSAL_LM", base_model_name_or_path=base_model, bias="none")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    peft_model = get_peft_model(model, config)
-    expected = get_peft_model_state_dict(peft_model)  # the names and shapes peft gives this adapter
+    modules = tuple(sorted({key.split(".")[-3] for key in state}))
+    key = (spec.rank, spec.alpha, spec.dropout, modules, base_model, id(hf_config))
+    if key not in _PEFT_MODELS:  # adapter sync writes every sync: build peft's meta model once (~50 ms)
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=list(modules),
+                            task_type="CAUSAL_LM", base_model_name_or_path=base_model, bias="none")
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        peft_model = get_peft_model(model, config)
+        _PEFT_MODELS.clear()  # one model kept: one adapter layout per process
+        _PEFT_MODELS[key] = (peft_model, get_peft_model_state_dict(peft_model))
+    peft_model, expected = _PEFT_MODELS[key]  # expected: the names and shapes peft gives this adapter
     wrong = sorted(set(expected) ^ set(state)) or [k for k in state if expected[k].shape != state[k].shape]
     if wrong:
         raise ConfigError(f"PEFT export: adapter tensors differ from peft's for this model: {wrong[:3]}")

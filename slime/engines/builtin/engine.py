@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
+from slime.engines.builtin.lora import LoraAdapters
 from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
@@ -31,13 +32,14 @@ from slime.offload import HostParking, module_slots
 logger = logging.getLogger(__name__)
 
 # /generate fields (SGLang's GenerateReqInput) this engine implements.
-_SUPPORTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+_SUPPORTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                     "lora_path"}
 # Fields that carry routing or bookkeeping information only; sglang-router adds some of them (`model`)
 # to every body it forwards. Ignored whatever their value.
 _INFORMATIONAL_FIELDS = {"model", "routing_key", "priority", "log_metrics", "no_logs", "extra_key", "custom_labels",
                          "conversation_id", "external_trace_header", "received_time", "data_parallel_rank",
                          "return_text_in_logprobs", "session_id", "http_worker_ipc"}
-# Any other field (stream, image_data, top_logprobs_num, return_hidden_states, lora_path, ...) asks for a
+# Any other field (stream, image_data, top_logprobs_num, return_hidden_states, lora_id, ...) asks for a
 # feature this engine lacks: accepted only when unset, refused otherwise rather than silently ignored.
 
 
@@ -61,6 +63,9 @@ class EngineArgs:
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
+    enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -103,6 +108,10 @@ class BuiltinEngine:
                                                      args.mem_fraction_static)
         self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
         self.checker = WeightChecker(self.model)  # /weights_checker
+        self.lora = LoraAdapters(self.model, lambda fn: self.scheduler.run_command(fn).result(),
+                                 enabled=args.enable_lora, max_rank=args.max_lora_rank,
+                                 target_modules=args.lora_target_modules, model_path=args.model_path)
+        self.weights.guard = self.lora.check_full_update  # a merged adapter's base would go stale
         self.parking = HostParking()  # the weights' pinned host twins while the memory is released
         self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
         self._rid_prefix, self._rid_counter = uuid.uuid4().hex[:16], itertools.count()
@@ -144,6 +153,8 @@ class BuiltinEngine:
         rids = per_item("rid", None)
         return_logprob = per_item("return_logprob", False)
         start_len = per_item("logprob_start_len", -1)
+        for lora_path in per_item("lora_path", None):  # merged into the weights: only the loaded one (lora.py)
+            self.lora.check_request(lora_path)
         # validate every item before submitting any, so a bad item leaves no orphaned work behind
         parsed = []
         for i, item in enumerate(items):
@@ -204,6 +215,7 @@ class BuiltinEngine:
             return {"success": False, "message": f"no *.safetensors files in {model_path}", "num_paused_requests": 0}
 
         def load() -> str:
+            self.lora.check_full_update()
             state: dict[str, torch.Tensor] = {}
             for path in files:
                 state.update(load_file(path))
@@ -222,6 +234,18 @@ class BuiltinEngine:
         if result["success"]:
             self.model_path = model_path
         return {**result, "num_paused_requests": 0}
+
+    def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /load_lora_adapter: merge the PEFT adapter at `lora_path` (lora.py), replacing the one held."""
+        result = self.lora.load(body.get("lora_name"), body.get("lora_path"), bool(body.get("pinned")))
+        log = logger.info if result["success"] else logger.warning
+        log("load_lora_adapter %s (%s): %s", body.get("lora_name"), body.get("lora_path"),
+            result["error_message"] or "loaded")
+        return result
+
+    def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /unload_lora_adapter: the base weights back, bit-exact."""
+        return self.lora.unload(body.get("lora_name"))
 
     def check_weights(self, action: Any) -> dict[str, Any]:
         """SGLang's /weights_checker (`weights.WeightChecker`), run between two scheduler steps."""
@@ -311,6 +335,7 @@ class BuiltinEngine:
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,
-                                 "weight_update_groups": sorted(self.weights.groups)}],
+                                 "weight_update_groups": sorted(self.weights.groups),
+                                 "lora_adapters": self.lora.names()}],
             "version": __version__,
         }

@@ -164,6 +164,16 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         result = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"], body.get("weight_version"))
         return _answer(result)
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        result = await asyncio.to_thread(engine.load_lora_adapter, await _json_body(request))
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        result = await asyncio.to_thread(engine.unload_lora_adapter, await _json_body(request))
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
     @app.post("/weights_checker")
     async def weights_checker(request: Request) -> JSONResponse:
         body = await _json_body(request)
@@ -222,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mem-fraction-static", type=float,
                         help="GPU shared with a train rank: cap this engine at this part of the GPU's memory and "
                              "size the slot KV cache to fit (slime/engines/builtin/memory.py)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve /load_lora_adapter and /unload_lora_adapter (one adapter, merged into the weights)")
+    parser.add_argument("--max-lora-rank", type=int, help="refuse adapters of a higher rank")
+    parser.add_argument("--lora-target-modules", nargs="+",
+                        help="HF module names adapters may target (q_proj ... down_proj, or all); default: any")
     parser.add_argument("--log-level", default="info")
     return parser
 

@@ -179,6 +179,7 @@ class WeightUpdater:
         self.device = device
         self._run = run_on_model_thread
         self.groups: dict[str, _Group] = {}
+        self.guard: Callable[[], None] = lambda: None  # raises to refuse an update (after receiving, before copying)
         self._lock = threading.Lock()  # one distributed update at a time: receives must stay in order
 
     # ------------------------------------------------------------------ same host
@@ -191,6 +192,7 @@ class WeightUpdater:
         named = decode_named_tensors(serialized_named_tensors[0])  # tensor parallel size 1: rank 0's entry
         for name, tensor in named:
             self.targets.check(name, tensor.shape, tensor.dtype)
+        self.guard()
         self._run(lambda: self.targets.copy_in(named))
         return f"updated {len(named)} tensors from serialized tensors"
 
@@ -262,5 +264,6 @@ class WeightUpdater:
                 torch.cuda.synchronize(group.device)
         for name, tensor in received:
             self.targets.check(name, tensor.shape, tensor.dtype)
+        self.guard()
         self._run(lambda: self.targets.copy_in(received))
         return f"updated {len(received)} tensors from group {group_name!r}"
