@@ -7,7 +7,9 @@ through `/init_weights_update_group` (posted to every engine while the trainer j
 forms only when all ranks are there) and reused by later syncs while the engine set is unchanged.
 Per bucket the trainer posts `/update_weights_from_distributed` (names, dtypes, shapes) to all engines
 and, concurrently, broadcasts the tensors one by one in that order. A failed sync drops the group
-(the engines are asked to destroy theirs), so the next sync forms a new one.
+(the engines are asked to destroy theirs), so the next sync forms a new one. With a `DeltaFilter`
+(`--update-weight-mode delta`) only the changed tensors are announced and broadcast, with their checksums
+(distributed_delta.py).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class DistributedSync:
                 "weight_version": version}
         if self.delta is not None:
             with timer("checksum"):
-                body["checksums"] = await in_thread(lambda: self.delta.checksums(tensors))
+                body["checksums"] = await in_thread(lambda: self.delta.checksums(body["names"], tensors))
             body["checksum_algorithm"] = self.delta.algorithm
         with timer("transfer"):
             sending = in_thread(lambda: group.broadcast(tensors))

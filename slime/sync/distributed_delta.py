@@ -1,14 +1,17 @@
 """Delta weight sync over the distributed transport (`--update-weight-mode delta`, weight_sync_mode
 distributed): each sync broadcasts only the tensors whose bytes changed since the last sync.
 
-Changed or not is decided where the tensor lives (the trainer's GPU, or the CPU with gloo) by
-`fingerprint`: two wrapping int64 sums over the tensor's bytes read as int32 words, one plain and one
-weighted by position, so no host copy and no second copy of the model is kept. It is a linear
-fingerprint, not a cryptographic hash: one changed word always changes it; several changes go unnoticed
-only if they cancel exactly in both sums. The dtype and shape are part of the key.
+Changed or not is decided per HF tensor name against a key of the bytes last sent, without keeping a
+second copy of the model. A CPU tensor (gloo) is keyed by the configured checksum of its bytes, read in
+place (xxh3-128 hashes ~20 GB/s on one core). A GPU tensor is keyed by `fingerprint`, computed on the GPU
+so that unchanged tensors are never copied to the host: two wrapping int64 sums over the tensor's bytes
+read as int32 words, one plain and one weighted by position. That is a linear fingerprint, not a
+cryptographic hash: one changed word always changes it; several changes go unnoticed only if they cancel
+exactly in both sums. The dtype and shape are part of the key.
 
-Tensors that are sent carry the configured checksum (`--update-weight-delta-checksum`, computed on the
-host bytes of those tensors only) in an extra `checksums` field of `/update_weights_from_distributed`;
+Tensors that are sent carry the configured checksum (`--update-weight-delta-checksum`; for GPU tensors
+computed on a host copy of those tensors only) in an extra `checksums` field of
+`/update_weights_from_distributed`;
 the built-in engine checks every received tensor against it before applying any and answers
 `checksums_verified`. SGLang's request struct ignores fields it does not know, so an SGLang engine
 applies the update unverified; the syncer logs that once per engine.
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 CHUNK = 1 << 22  # words per step of the fingerprint: bounds its temporary memory (3 int64 buffers)
 MULTIPLIER = 0x9E3779B1  # odd: position weights (i * MULTIPLIER + 1) are distinct modulo 2**64
 
-Key = tuple[str, tuple[int, ...], tuple[int, int]]
+Key = tuple[str, tuple[int, ...], object]
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,9 +57,6 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def key(tensor: torch.Tensor) -> Key:
-    a, b = fingerprint(tensor).tolist()
-    return str(tensor.dtype), tuple(tensor.shape), (a, b)
 
 
 class DeltaFilter:
@@ -66,22 +66,35 @@ class DeltaFilter:
         self.algorithm = algorithm
         self.sent: dict[str, Key] | None = None  # None: the engines' weights are unknown, send everything
         self._pending: dict[str, Key] = {}
+        self._digests: dict[str, str] = {}  # this sync's checksums computed while selecting (CPU tensors)
+
+    def key(self, name: str, tensor: torch.Tensor) -> Key:
+        """What "unchanged" compares: dtype, shape and, for a CPU tensor, the configured checksum of its bytes
+        (read in place, and kept for sending); for a GPU tensor the device-side `fingerprint` (no host copy)."""
+        if tensor.device.type == "cpu":
+            self._digests[name] = checksum(host_bytes(tensor), self.algorithm)
+            content: object = self._digests[name]
+        else:
+            content = tuple(fingerprint(tensor).tolist())
+        return str(tensor.dtype), tuple(tensor.shape), content
 
     def select(self, weights: NamedTensors, result: SyncResult) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors to send: all of them on a full sync, else those whose key changed (the others are
         counted in `result.skipped`)."""
-        self._pending = {}
+        self._pending, self._digests = {}, {}
         full = self.sent is None
         for name, tensor in weights:
-            self._pending[name] = key(tensor)
+            self._pending[name] = self.key(name, tensor)
             if full or self.sent.get(name) != self._pending[name]:
                 yield name, tensor
             else:
                 result.skipped += 1
 
-    def checksums(self, tensors: list[torch.Tensor]) -> list[str]:
-        """The configured checksum of each tensor's bytes (a host copy of GPU tensors)."""
-        return [checksum(host_bytes(t), self.algorithm) for t in tensors]
+    def checksums(self, names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+        """The configured checksum of each sent tensor's bytes (taken while selecting for CPU tensors; a host
+        copy of GPU tensors)."""
+        return [self._digests.get(name) or checksum(host_bytes(t), self.algorithm)
+                for name, t in zip(names, tensors, strict=True)]
 
     def commit(self) -> None:
         """Every engine took the sync: what was selected is what they hold."""

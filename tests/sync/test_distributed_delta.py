@@ -47,6 +47,14 @@ def test_fingerprint_of_a_tensor_longer_than_a_chunk_and_of_a_view():
     assert fingerprint(column).tolist() == fingerprint(column.contiguous()).tolist()
 
 
+def test_filter_keys_cpu_tensors_by_the_configured_checksum_and_reuses_it():
+    f = DeltaFilter("blake3")
+    t = torch.randn(10)
+    assert f.key("w", t)[2] == checksum(host_bytes(t), "blake3")
+    assert f.checksums(["w", "x"], [t, t * 2]) == [checksum(host_bytes(t), "blake3"),
+                                                   checksum(host_bytes(t * 2), "blake3")]
+
+
 def test_filter_sends_all_first_then_only_changes_and_everything_after_a_reset():
     weights = {"a": torch.ones(4), "b": torch.zeros(3), "c": torch.arange(5.0)}
     f = DeltaFilter()
@@ -166,9 +174,8 @@ def test_distributed_delta_into_engines_matches_a_full_sync(cluster, tiny_kit, h
     v4 = {n: t + 1 if n == corrupt else t for n, t in v2.items()}
     real = DeltaFilter.checksums
 
-    def wrong_for_embedding(self, tensors):
-        sums = real(self, tensors)
-        return [s if t.shape != v4[corrupt].shape else "0" * len(s) for s, t in zip(sums, tensors, strict=True)]
+    def wrong_for_embedding(self, names, tensors):
+        return [s if n != corrupt else "0" * len(s) for n, s in zip(names, real(self, names, tensors), strict=True)]
 
     async def mismatch_then_retry():
         syncer = WeightSyncer(delta_config, backend="gloo")
