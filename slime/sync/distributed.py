@@ -110,9 +110,10 @@ class DistributedSync:
                 bucket = following
             if self.delta is not None:
                 if result.buckets == 0:  # nothing changed: only the version moves
-                    with timer("transfer"):
-                        await post_all(client, urls, "/update_weight_version", {"new_version": version},
-                                       phase="update", state=state)
+                    with timer("transfer"):  # SGLang's default aborts running requests: none may be (paused)
+                        await post_all(client, urls, "/update_weight_version",
+                                       {"new_version": version, "abort_all_requests": False}, phase="update",
+                                       state=state)
                 self.delta.commit()
         except BaseException:
             if self.delta is not None:
