@@ -586,12 +586,13 @@ class SyncConfig(_Section):
         None, description="slime's carrier flag: nccl is weight_sync_mode distributed, disk is disk; None: "
                           "weight_sync_mode decides")
     update_weight_mode: Literal["full", "delta"] = Field("full", description="full: every sync sends every "
-                                                                             "parameter; delta (disk mode): only the "
-                                                                             "changed bytes (slime/sync/delta.py)")
+                                                                             "parameter; delta (disk or distributed): "
+                                                                             "only what changed (docs/sync.md)")
     update_weight_delta_encoding: Literal["xor", "overwrite"] = Field(
         "xor", description="delta: xor (new ^ old, apply once) or overwrite (changed positions and values)")
     update_weight_delta_checksum: Literal["xxh3-128", "blake3", "adler32"] = Field(
-        "xxh3-128", description="delta: per-tensor checksum of the new bytes, checked when applied")
+        "xxh3-128", description="delta: per-tensor checksum of the new bytes, checked when applied (disk) or "
+                                "received (distributed, built-in engines)")
     update_weight_local_checkpoint_dir: str | None = Field(
         None, description="delta: the full HF checkpoint the deltas patch and the engines reload (same file system "
                           "as trainer rank 0 here)")
@@ -1418,12 +1419,23 @@ def _validate(config: Config, where: dict[str, str]) -> None:
             fail(f"sync.{name}", f"applies to disk weight sync: set weight_sync_mode disk (or "
                  f"--update-weight-transport disk); it is {s.weight_sync_mode}")
     if s.update_weight_mode == "delta":
-        if s.weight_sync_mode != "disk":
-            fail("sync.update_weight_mode", f"delta sync is disk only (as in slime): set weight_sync_mode disk (or "
-                 f"--update-weight-transport disk); it is {s.weight_sync_mode}")
-        if not s.update_weight_local_checkpoint_dir:
-            fail("sync.update_weight_mode", "delta sync needs update_weight_local_checkpoint_dir (the checkpoint the "
-                 "deltas patch)")
+        mode = s.weight_sync_mode
+        if mode == "auto":
+            mode = "tensor" if config.cluster.same_gpus else "distributed"
+        if mode == "tensor":
+            fail("sync.update_weight_mode", "delta sync runs over the disk or distributed transport, not tensor "
+                 f"(colocated CUDA IPC, nothing crosses a wire): weight_sync_mode is {s.weight_sync_mode}"
+                 f"{' (tensor: colocate or share_gpu)' if s.weight_sync_mode == 'auto' else ''}; set "
+                 "weight_sync_mode disk or distributed (--update-weight-transport disk|nccl) or update_weight_mode full")
+        if mode == "disk" and not s.update_weight_local_checkpoint_dir:
+            fail("sync.update_weight_mode", "disk delta sync needs update_weight_local_checkpoint_dir (the checkpoint "
+                 "the deltas patch)")
+        if mode == "distributed" and s.update_weight_local_checkpoint_dir:
+            fail("sync.update_weight_local_checkpoint_dir", "only used by the disk delta: the distributed delta "
+                 "broadcasts the changed tensors themselves", "sync.weight_sync_mode")
+        if mode == "distributed" and s.update_weight_delta_encoding != "xor":
+            fail("sync.update_weight_delta_encoding", "applies to the disk delta: the distributed delta broadcasts "
+                 "whole changed tensors (an SGLang engine cannot apply a byte delta)", "sync.weight_sync_mode")
     elif s.update_weight_local_checkpoint_dir:
         fail("sync.update_weight_local_checkpoint_dir", "only used by delta sync (--update-weight-mode delta)")
     if config.lora.enabled:

@@ -215,13 +215,23 @@ def test_update_weight_transport_picks_the_sync_mode():
 
 
 @pytest.mark.parametrize(("args", "reason"), [
-    (["--update-weight-mode", "delta"], "delta sync is disk only"),
+    (["--update-weight-mode", "delta", "--weight-sync-mode", "tensor"], "disk or distributed transport, not tensor"),
+    (["--update-weight-mode", "delta", "--colocate"], r"not tensor .*weight_sync_mode is auto \(tensor: colocate"),
+    (["--update-weight-local-checkpoint-dir", "/tmp/l", "--update-weight-mode", "delta"], "only used by the disk delta"),
+    (["--update-weight-delta-encoding", "overwrite", "--update-weight-mode", "delta"], "applies to the disk delta"),
     (["--update-weight-mode", "delta", "--weight-sync-mode", "disk"], "needs update_weight_local_checkpoint_dir"),
     (["--rollout-data-transport", "nixl"], "NIXL is not built here"),
 ])
 def test_values_not_built_are_refused_with_a_reason(args, reason):
     with pytest.raises(ConfigError, match=f"{args[0]}: .*{reason}"):
         load_config(None, args)
+
+
+def test_delta_over_the_distributed_transport_is_accepted():
+    for extra in ([], ["--update-weight-transport", "nccl"], ["--weight-sync-mode", "distributed"]):
+        sync = load_config(None, ["--update-weight-mode", "delta", "--update-weight-delta-checksum", "blake3",
+                                  *extra]).sync
+        assert sync.update_weight_mode == "delta" and sync.update_weight_delta_checksum == "blake3"
 
 
 def test_custom_config_attributes_reach_plugin_args(tmp_path):

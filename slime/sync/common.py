@@ -51,12 +51,13 @@ class SyncResult:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
+    skipped: int = 0  # delta modes: tensors left out because the engines already hold them
     seconds: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         out = {f"sync/{name}_s": value for name, value in self.seconds.items()}
         out.update({"sync/bytes": float(self.bytes), "sync/buckets": float(self.buckets),
-                    "sync/tensors": float(self.tensors)})
+                    "sync/tensors": float(self.tensors), "sync/tensors_skipped": float(self.skipped)})
         if self.seconds.get("total"):
             out["sync/gb_per_s"] = self.bytes / 1e9 / self.seconds["total"]
         return out

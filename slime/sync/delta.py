@@ -50,9 +50,16 @@ def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy().copy()
 
 
+def host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's raw bytes as a flat uint8 array: a view when it is a contiguous CPU tensor (no copy),
+    else one copy to the host."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
 def checksum(data: np.ndarray | bytes, algorithm: str) -> str:
     """Hex digest of `data` with slime's choices: xxh3-128 (fast), blake3 (cryptographic), adler32."""
-    buf = data.tobytes() if isinstance(data, np.ndarray) else data
+    buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data
     if algorithm == "xxh3-128":
         import xxhash
 

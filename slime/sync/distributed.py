@@ -7,7 +7,9 @@ through `/init_weights_update_group` (posted to every engine while the trainer j
 forms only when all ranks are there) and reused by later syncs while the engine set is unchanged.
 Per bucket the trainer posts `/update_weights_from_distributed` (names, dtypes, shapes) to all engines
 and, concurrently, broadcasts the tensors one by one in that order. A failed sync drops the group
-(the engines are asked to destroy theirs), so the next sync forms a new one.
+(the engines are asked to destroy theirs), so the next sync forms a new one. With a `DeltaFilter`
+(`--update-weight-mode delta`) only the changed tensors are announced and broadcast, with their checksums
+(distributed_delta.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ from slime.sync.common import (
     nbytes,
     post_all,
 )
+from slime.sync.distributed_delta import DeltaFilter
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +78,10 @@ class DistributedSync:
     """Buckets of `buffer_size` bytes broadcast from this process (rank 0) to every engine."""
 
     def __init__(self, buffer_size: int, *, master_address: str = "127.0.0.1", backend: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, delta: DeltaFilter | None = None) -> None:
         self.buffer_size = buffer_size
+        self.delta = delta  # delta mode: only changed tensors are broadcast (distributed_delta.py)
+        self._unverified: set[str] = set()  # engines already logged as not checking the delta's checksums
         self.master_address = master_address
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout = dt.timedelta(seconds=timeout_s)
@@ -86,9 +92,12 @@ class DistributedSync:
                    result: SyncResult, timer: Timer, state: str) -> None:
         try:
             if self._group is None or self._urls != urls:
+                if self.delta is not None:
+                    self.delta.reset()  # engines new to this group may hold anything: send everything
                 with timer("connect"):
                     await self._connect(client, urls, state)
-            source = iter(buckets(weights, self.buffer_size))
+            named = weights if self.delta is None else self.delta.select(weights, result)
+            source = iter(buckets(named, self.buffer_size))
             with timer("export"):
                 bucket = next(source, None)
             while bucket is not None:
@@ -99,7 +108,16 @@ class DistributedSync:
                 result.tensors += len(bucket)
                 result.bytes += sum(nbytes(t) for _, t in bucket)
                 bucket = following
+            if self.delta is not None:
+                if result.buckets == 0:  # nothing changed: only the version moves
+                    with timer("transfer"):  # SGLang's default aborts running requests: none may be (paused)
+                        await post_all(client, urls, "/update_weight_version",
+                                       {"new_version": version, "abort_all_requests": False}, phase="update",
+                                       state=state)
+                self.delta.commit()
         except BaseException:
+            if self.delta is not None:
+                self.delta.reset()  # the engines may hold part of this sync: the next one is full
             await self.close(client)  # a broken or half-used group is not reused
             raise
 
@@ -146,10 +164,15 @@ class DistributedSync:
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": GROUP_NAME, "flush_cache": False,
                 "weight_version": version}
+        if self.delta is not None:
+            with timer("checksum"):
+                body["checksums"] = await in_thread(lambda: self.delta.checksums(body["names"], tensors))
+            body["checksum_algorithm"] = self.delta.algorithm
         with timer("transfer"):
             sending = in_thread(lambda: group.broadcast(tensors))
             try:
-                await post_all(client, urls, "/update_weights_from_distributed", body, phase="update", state=state)
+                answers = await post_all(client, urls, "/update_weights_from_distributed", body, phase="update",
+                                         state=state)
             except WeightSyncError:
                 # an engine that refused a tensor still received them all; one that died did not, and
                 # the broadcast to it ends with the group's timeout on the daemon thread
@@ -158,6 +181,17 @@ class DistributedSync:
                     sending.exception()  # retrieved: the HTTP failure is the error reported
                 raise
             await sending
+        if self.delta is not None:
+            self._note_unverified(answers, body["checksum_algorithm"])
+
+    def _note_unverified(self, answers: dict[str, Any], algorithm: str) -> None:
+        """Log (once per engine) an engine that applied a delta bucket without checking its checksums:
+        SGLang's request struct drops the `checksums` field it does not know."""
+        for url, answer in answers.items():
+            if url not in self._unverified and not (isinstance(answer, dict) and "checksums_verified" in answer):
+                self._unverified.add(url)
+                logger.warning("engine %s does not check the delta's %s checksums (an SGLang engine ignores the "
+                               "field): its distributed updates are applied unverified", url, algorithm)
 
     async def _destroy_on(self, client: EngineClient, urls: list[str]) -> None:
         for url in urls:

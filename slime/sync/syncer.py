@@ -89,9 +89,11 @@ class WeightSyncer:
             self.transport = TensorSync(config.update_weight_buffer_size)
         else:
             from slime.sync.distributed import DistributedSync
+            from slime.sync.distributed_delta import DeltaFilter
 
+            delta = DeltaFilter(config.update_weight_delta_checksum) if config.update_weight_mode == "delta" else None
             self.transport = DistributedSync(config.update_weight_buffer_size, master_address=master_address,
-                                             backend=backend, timeout_s=config.weight_sync_timeout_s)
+                                             backend=backend, timeout_s=config.weight_sync_timeout_s, delta=delta)
 
     async def sync(self, urls: Sequence[str], weights: Callable[[], NamedTensors], weight_version: str | int,
                    *, client: EngineClient | None = None) -> SyncResult:
@@ -138,8 +140,9 @@ class WeightSyncer:
             raise WeightSyncError(f"engines do not report weight_version {version!r}", phase="verify",
                                   failures=stale, state="Generation has continued.")
         result.seconds = {**timer.seconds, "total": time.perf_counter() - started}
-        logger.info("weight sync %s (%s) to %d engine(s): %.1f MB in %d bucket(s), %.3f s", version, self.mode,
-                    len(urls), result.bytes / 1e6, result.buckets, result.seconds["total"])
+        logger.info("weight sync %s (%s, %s) to %d engine(s): %.1f MB in %d bucket(s), %d tensor(s) sent, %d "
+                    "skipped, %.3f s", version, self.mode, self.config.update_weight_mode, len(urls),
+                    result.bytes / 1e6, result.buckets, result.tensors, result.skipped, result.seconds["total"])
         return result
 
     async def _flush(self, client: EngineClient, urls: list[str]) -> None:

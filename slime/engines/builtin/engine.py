@@ -260,8 +260,11 @@ class BuiltinEngine:
 
     def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         """SGLang's /update_weights_from_distributed: receive the announced tensors from the group."""
-        return self._weight_update("distributed", lambda: self.weights.from_distributed(body),
-                                   body.get("weight_version"), body.get("abort_all_requests"))
+        result = self._weight_update("distributed", lambda: self.weights.from_distributed(body),
+                                     body.get("weight_version"), body.get("abort_all_requests"))
+        if result["success"] and body.get("checksums") is not None:  # every tensor was checked (slime's delta)
+            result["checksums_verified"] = len(body["checksums"])
+        return result
 
     def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._control(lambda: self.weights.init_group(body))

@@ -99,6 +99,27 @@ def parse_dtype(name: Any, tensor_name: str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: Any, algorithm: Any) -> None:
+    """slime's delta sync over the distributed transport sends the checksum of each tensor's bytes
+    (`checksums`, one per name, `checksum_algorithm`; not SGLang fields): every received tensor must match
+    before any is applied. Absent: nothing to check (a plain SGLang request)."""
+    if checksums is None:
+        return
+    from slime.sync.delta import checksum, host_bytes
+
+    if not isinstance(checksums, list) or len(checksums) != len(received):
+        raise BadRequestError(f"checksums must be a list of one checksum per name ({len(received)}), got "
+                              f"{type(checksums).__name__} of {len(checksums) if isinstance(checksums, list) else '?'}")
+    if algorithm not in ("xxh3-128", "blake3", "adler32"):
+        raise BadRequestError(f"checksum_algorithm {algorithm!r}: one of xxh3-128, blake3, adler32")
+    for (name, tensor), expected in zip(received, checksums, strict=True):
+        got = checksum(host_bytes(tensor), algorithm)
+        if got != expected:
+            raise BadRequestError(f"tensor {name!r}: the received bytes have {algorithm} checksum {got}, the trainer "
+                                  f"sent {expected}: corrupted in transfer; nothing of this update was applied "
+                                  "(sync again: the next sync sends every tensor)")
+
+
 class WeightTargets:
     """The model's named parameters and persistent buffers, for checking and in-place copies."""
 
@@ -265,5 +286,6 @@ class WeightUpdater:
         for name, tensor in received:
             self.targets.check(name, tensor.shape, tensor.dtype)
         self.guard()
+        verify_checksums(received, body.get("checksums"), body.get("checksum_algorithm"))
         self._run(lambda: self.targets.copy_in(received))
         return f"updated {len(received)} tensors from group {group_name!r}"
