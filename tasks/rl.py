@@ -25,7 +25,7 @@ from slime.errors import NotCommittedError
 from slime.rl import RLLoop, read_metrics
 from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
-from slime.storage.staging import staged
+from slime.storage.staging import is_remote, newest_committed, staged
 from tasks._cache import StageCachePolicy
 from tasks._stage import Phases, move_aside, stage_result, stage_task, start_stage, with_fields
 from tasks.evaluate import GPU_TAG
@@ -161,7 +161,7 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
         with phases.time("prepare output"):
             if latest_checkpoint(local.checkpoint.save) is None:
                 set_aside_step_outputs(config, run_id)
-        loop = RLLoop(local)
+        loop = RLLoop(local, staging=staging)
         try:
             with phases.time("setup"):
                 setup = loop.setup()
@@ -171,6 +171,8 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
                 loop.close()
         checkpoint = latest_checkpoint(local.checkpoint.save)
     checkpoint = checkpoint and staging.to_remote(checkpoint)
+    if is_remote(output):  # train ranks on other nodes commit their saves in the store, not in the driver's copy
+        checkpoint = newest_committed(output, config.run.storage_options) or checkpoint
     if checkpoint is None:
         raise NotCommittedError(f"rl finished without a committed checkpoint under {output}: set checkpoint.save_interval")
     records = read_metrics(loop.metrics_uri, loop.store.storage_options)

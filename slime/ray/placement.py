@@ -233,6 +233,13 @@ class Placement:
         """True when some engine is on another node than the driver (the rollout manager stays with the driver)."""
         return any(node and node != self.driver_node_id for node in self.engine_nodes())
 
+    @property
+    def remote_train(self) -> bool:
+        """True when some train rank is on another node than the driver (it cannot read the driver's staged
+        checkpoints: it stages its own, slime/storage/node_staging.py)."""
+        return any(node and node != self.driver_node_id
+                   for node in (self.bundles[b].node_id for b in self.plan.train_bundles))
+
     def manager_options(self) -> dict[str, Any]:
         """Ray actor options of the rollout manager: a little CPU in the first engine's bundle, or, when
         engines are on other nodes, the driver's node (no CPU claimed: it waits on HTTP, and the driver's
@@ -335,22 +342,40 @@ def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
     return placement
 
 
-def _check_staged_checkpoints(config: Any, placement: Placement) -> None:
-    """Checkpoints of a remote store are staged on the driver's machine (slime/storage/staging.py): train
-    ranks on another IP could not read or write them."""
+def _check_staged_checkpoints(config: Any, placement: Placement, node_staging: bool) -> None:
+    """Checkpoints of a remote store are staged on the driver's machine (slime/storage/staging.py). Train
+    ranks on other machines stage their own copies and upload their saves from there when the loop hands
+    them the remote URLs (`node_staging`: slime/storage/node_staging.py, not for LoRA); what still reads
+    the driver's copies cannot run elsewhere: engines given a staged `hf_checkpoint`, and LoRA."""
     from slime.storage.staging import staging_root
 
     root = os.path.abspath(staging_root(config))
     ck = config.checkpoint
-    staged = [p for p in (ck.save, ck.load, ck.ref_load) if p and os.path.abspath(p).startswith(root + os.sep)]
+
+    def is_staged(path: str | None) -> bool:
+        return bool(path) and "://" not in path and os.path.abspath(path).startswith(root + os.sep)
+
+    engines_away = sorted({placement.bundles[e[0]].node_ip for e in placement.plan.engine_bundles}
+                          - {placement.driver_node_ip})
+    if is_staged(ck.hf_checkpoint) and engines_away:
+        raise PlacementError(f"checkpoint.hf_checkpoint of the remote store is staged on the driver's machine "
+                             f"({placement.driver_node_ip}, {root}), but engines run on {engines_away} and read it "
+                             "there: give --hf-checkpoint as a directory every engine node has (a local copy or a "
+                             "shared file system)")
+    staged = [p for p in (ck.save, ck.load, ck.ref_load, ck.hf_checkpoint) if is_staged(p)]
     away = sorted({placement.bundles[b].node_ip for b in placement.plan.train_bundles} - {placement.driver_node_ip})
-    if staged and away:
+    if not staged or not away:
+        return
+    if not node_staging:
+        why = ("LoRA stages on the driver only (a LoRA checkpoint records its base as a local path of the machine "
+               "that saved it)" if config.lora.lora_rank > 0 else
+               "this caller does not stage them on the train ranks' nodes (`slime rl` and the rl task do)")
         raise PlacementError(f"checkpoints of the remote store are staged on the driver's machine "
-                             f"({placement.driver_node_ip}, {root}), but train ranks run on {away}: set checkpoint.save "
-                             "(--save) and --load to a file system every node mounts")
+                             f"({placement.driver_node_ip}, {root}), but train ranks run on {away}: {why}; set "
+                             "checkpoint.save (--save) and --load to a file system every node mounts")
 
 
-def check_across_nodes(config: Any, placement: Placement) -> None:
+def check_across_nodes(config: Any, placement: Placement, node_staging: bool = False) -> None:
     """Refuse, before anything starts, a layout that cannot work across nodes (`config` a `Config`):
 
     * engines bound to a loopback address on another IP than the driver's (the router there cannot
@@ -373,7 +398,7 @@ def check_across_nodes(config: Any, placement: Placement) -> None:
             raise PlacementError(f"engine {e} runs on node {ip} but binds engine.engine_host {host}, which the router "
                                  f"on the driver's node {placement.driver_node_ip} cannot reach: set engine.engine_host "
                                  "0.0.0.0 (--engine-host)")
-    _check_staged_checkpoints(config, placement)
+    _check_staged_checkpoints(config, placement, node_staging)
     if config.run.debug_rollout_only or config.run.debug_train_only:
         return  # no weight sync
     trainer = placement.bundles[placement.plan.train_bundles[0]].node_id

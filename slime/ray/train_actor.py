@@ -154,10 +154,15 @@ class TrainActor:
     world size; rank 0's `init_method()` gives the address every rank passes to `init`.
     """
 
-    def __init__(self, config: dict[str, Any], rank: int, world_size: int) -> None:
+    def __init__(self, config: dict[str, Any], rank: int, world_size: int,
+                 remote_fields: dict[str, str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = Config.model_validate(config)
         self.rank, self.world_size = rank, world_size
+        # train ranks on other nodes than the driver, a remote store: the remote URLs of the checkpoint fields,
+        # staged on this node by `init` (slime/storage/node_staging.py); None: the config's paths are readable here
+        self.remote_fields = remote_fields
+        self.node_staging: Any = None
         self.models: list[Any] = []
         self.ref_models: list[Any] | None = None
         self.loaded_extra_state: dict[str, Any] = {}
@@ -201,6 +206,10 @@ class TrainActor:
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.convert import megatron_dtype, vocab_padding
 
+        if self.remote_fields:  # this node's own copies (one download per node), saves uploaded from each node
+            from slime.storage.node_staging import stage_on_node
+
+            self.config, self.node_staging = stage_on_node(self.config, self.remote_fields)
         c = self.config
         c.require("checkpoint.hf_checkpoint", stage=STAGE)
         if c.algorithm.advantage_estimator == "ppo":
@@ -623,19 +632,23 @@ class TrainActor:
     # ------------------------------------------------------------------------- checkpoints, memory, sync
 
     def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> str:
-        """Commit checkpoint iteration `rollout_id` under `save` (collective); its path."""
+        """Commit checkpoint iteration `rollout_id` under `save` (collective); its path (with node staging: its
+        URL in the store, where every node uploaded its files)."""
         from slime.backends.megatron.bridge import checkpoint_metadata
         from slime.backends.megatron.checkpoint import iteration_dir, save_checkpoint
 
         ck = self.config.checkpoint
         self.config.require("checkpoint.save", stage=STAGE)
         full = not ck.no_save_optim
+        remote = self.node_staging.outputs.get(ck.save) if self.node_staging is not None else None
         save_checkpoint(self.models, ck.save, rollout_id, optimizer=self.optimizer if full else None,
                         scheduler=self.scheduler if full else None, extra_state=extra_state or {},
                         metadata={**checkpoint_metadata(self.bridge, ck.hf_checkpoint), "stage": STAGE},
                         config_hash=self.config.section_hash("train", "algorithm", "checkpoint", "megatron"),
-                        fully_reshardable=ck.dist_ckpt_optim_fully_reshardable)
-        return iteration_dir(ck.save, rollout_id)
+                        fully_reshardable=ck.dist_ckpt_optim_fully_reshardable, remote=remote,
+                        storage_options=self.config.run.storage_options)
+        path = iteration_dir(ck.save, rollout_id)
+        return self.node_staging.to_remote(path) if remote else path
 
     def offload(self) -> dict[str, Any]:
         """Free the GPU for the engines: the DDP buffers' bf16 weights go to megatron-core's pinned copies

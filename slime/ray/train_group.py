@@ -26,12 +26,15 @@ class TrainGroupError(SlimeError, RuntimeError):
 class TrainGroup:
     """`world_size` train actors placed on the placement's train bundles (default: all of them)."""
 
-    def __init__(self, config: Config, placement: Placement, world_size: int | None = None) -> None:
+    def __init__(self, config: Config, placement: Placement, world_size: int | None = None,
+                 remote_fields: dict[str, str] | None = None) -> None:
         self.world_size = world_size or len(placement.plan.train_bundles)
         if self.world_size > len(placement.plan.train_bundles):
             raise TrainGroupError(f"{self.world_size} train ranks asked for, the placement has "
                                   f"{len(placement.plan.train_bundles)} train bundles")
         self.config, self.placement = config, placement
+        # the checkpoint fields' remote URLs when ranks stage them on their own nodes (node_staging.py)
+        self.remote_fields = remote_fields
         self.actors = self._spawn()
 
     def _spawn(self) -> list[Any]:
@@ -41,7 +44,8 @@ class TrainGroup:
         remote = ray.remote(TrainActor)
         payload = config.model_dump(mode="json")
         env = {"runtime_env": {"env_vars": dict(config.train.train_env_vars)}} if config.train.train_env_vars else {}
-        return [remote.options(**placement.train_options(rank), **env).remote(payload, rank, self.world_size)
+        return [remote.options(**placement.train_options(rank), **env).remote(payload, rank, self.world_size,
+                                                                              self.remote_fields)
                 for rank in range(self.world_size)]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

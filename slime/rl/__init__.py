@@ -27,7 +27,7 @@ def run_rl(config: Config, **loop_options: Any) -> dict[str, Any]:
     """Run (or resume) the RL loop to `num_rollout`; a summary with each step's record. Checkpoints in a
     remote store are staged locally and uploaded after each save (slime/storage/staging.py)."""
     with staged(config) as (local, staging):
-        result = _run_rl(local, staging.publish, **loop_options)
+        result = _run_rl(local, staging.publish, staging=staging, **loop_options)
     if result["last_checkpoint"]:
         result["last_checkpoint"] = staging.to_remote(result["last_checkpoint"])
     return result

@@ -98,8 +98,11 @@ class RLLoop:
     """One RL run on Ray. `setup()` first, `close()` always (idempotent; also after errors)."""
 
     def __init__(self, config: Config, *, log_dir: str | None = None, num_cpus: int | None = None,
-                 num_gpus: int | None = None) -> None:
+                 num_gpus: int | None = None, staging: Any = None) -> None:
         check_rl_config(config)
+        # slime.storage.staging.Staging of `config` (its remote checkpoints staged on the driver): train ranks on
+        # other nodes stage their own copies from its remote URLs (slime/storage/node_staging.py)
+        self.staging = staging
         self.config = config.model_copy(deep=True)
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.offload_rollout, self.offload_train = _offloads(config)
@@ -141,6 +144,16 @@ class RLLoop:
                 self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus,
                                                   num_gpus=self.num_gpus)
 
+    def _node_staged_fields(self) -> dict[str, str] | None:
+        """The remote URLs of the staged train fields when train ranks run on other nodes than the driver (they
+        stage those themselves); None when the driver's staged copies serve (or LoRA: driver-only)."""
+        from slime.storage.staging import TRAIN_FIELDS
+
+        if self.staging is None or not self.placement.remote_train or self.config.lora.lora_rank > 0:
+            return None
+        fields = {k: v for k, v in self.staging.fields.items() if k in TRAIN_FIELDS}
+        return fields or None
+
     @unwrap_signal_errors
     def setup(self) -> dict[str, Any]:
         """Start Ray (or join it), the placement, the rollout manager and the train group; restore the
@@ -156,7 +169,8 @@ class RLLoop:
         c = self.config
         self.connect()
         self.placement = create_placement(c.cluster)
-        check_across_nodes(c, self.placement)
+        remote_fields = self._node_staged_fields()
+        check_across_nodes(c, self.placement, node_staging=bool(remote_fields))
         started: dict[str, Any] = {"router_url": None, "worker_urls": []}
         if not c.run.debug_train_only:  # slime's --debug-train-only: no engines
             self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
@@ -166,7 +180,7 @@ class RLLoop:
         self.worker_urls = started["worker_urls"]
         self.num_rollout = self._resolve_num_rollout()
         if not c.run.debug_rollout_only:  # slime's --debug-rollout-only: no trainer
-            self.train_group = TrainGroup(c, self.placement)
+            self.train_group = TrainGroup(c, self.placement, remote_fields=remote_fields)
             self.start_rollout_id = self.train_group.init()
         resumed = self.start_rollout_id
         if c.data.start_rollout_id is not None:  # slime's --start-rollout-id: replaces the resumed checkpoint's

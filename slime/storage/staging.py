@@ -14,13 +14,15 @@ gives a stage a copy of its config in which every remote location of such a dire
 
 The staging directory is `run.staging_dir` (default: `slime-staging` in the system's temp directory),
 one sub-directory per remote URL, kept between runs: a rerun on the same machine downloads nothing again.
-Local locations pass through untouched. Every node that reads a staged path must be this machine
-(`slime.ray.placement.check_across_nodes` refuses train ranks on another IP).
+A download holds a machine-wide file lock on its directory, so processes of one machine that stage the same
+artifact download it once (the others wait, then find it there). Local locations pass through untouched.
+Train ranks on other machines than the driver stage their own copies (`slime/storage/node_staging.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -32,14 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from slime.errors import CorruptArtifactError, NotCommittedError
-from slime.storage.fs import join_uri, open_fs
-from slime.storage.manifest import MANIFEST_NAME, hash_file, is_committed, read_manifest
+from slime.storage.fs import is_local, join_uri, open_fs
+from slime.storage.manifest import MANIFEST_NAME, FileEntry, hash_file, is_committed, read_manifest
 
 logger = logging.getLogger(__name__)
 
 _ITER = re.compile(r"^iter_(\d{7})$")
 INPUT_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.hf_checkpoint", "export.origin_hf_dir")
 OUTPUT_FIELDS = ("checkpoint.save", "checkpoint.save_hf", "export.output_dir")
+# what a Megatron train rank reads or writes (slime/ray/train_actor.py): staged on its own node
+TRAIN_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.hf_checkpoint", "checkpoint.save")
 
 
 def is_remote(uri: str | None) -> bool:
@@ -73,9 +77,30 @@ def newest_committed(uri: str, storage_options: dict[str, Any] | None = None) ->
     return None
 
 
+@contextlib.contextmanager
+def machine_lock(local: str) -> Iterator[None]:
+    """An exclusive lock on `local` among this machine's processes: a `flock` on a file named by the hash of
+    its real path in the temp directory (not beside it: a save root holds checkpoints only)."""
+    digest = hashlib.sha256(os.path.realpath(local).encode()).hexdigest()[:16]
+    lock = os.path.join(tempfile.gettempdir(), "slime-staging-locks", f"{digest}.lock")
+    os.makedirs(os.path.dirname(lock), exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def download(uri: str, local: str, storage_options: dict[str, Any] | None = None) -> str:
     """Copy the committed artifact at `uri` into `local` (files checked against its manifest, the manifest
-    last); nothing is copied when `local` already holds the same manifest. Returns `local`."""
+    last); nothing is copied when `local` already holds the same manifest. Returns `local`. Under
+    `machine_lock(local)`: concurrent callers on one machine download once."""
+    with machine_lock(local):
+        return _download(uri, local, storage_options)
+
+
+def _download(uri: str, local: str, storage_options: dict[str, Any] | None) -> str:
     raw_fs, path = open_fs(join_uri(uri, MANIFEST_NAME), storage_options)
     try:
         raw = raw_fs.cat_file(path)
@@ -113,11 +138,29 @@ def upload(local: str, uri: str, storage_options: dict[str, Any] | None = None) 
         if fs.cat_file(manifest_path) == raw:
             return uri
         raise CorruptArtifactError(f"{uri} holds another committed artifact than {local}; not overwritten")
-    for entry in read_manifest(local).files:
-        fs.put_file(os.path.join(local, entry.path), f"{root.rstrip('/')}/{entry.path}")
+    put_files(local, uri, [entry.path for entry in read_manifest(local).files], storage_options)
     fs.pipe_file(manifest_path, raw)
     logger.info("published %s to %s", local, uri)
     return uri
+
+
+def put_files(local: str, uri: str, paths: list[str], storage_options: dict[str, Any] | None = None) -> None:
+    """Upload the files `paths` (relative to `local`) to the same relative paths under `uri`."""
+    fs, root = open_fs(uri, storage_options)
+    for rel in paths:
+        if is_local(fs):  # object stores have no directories to make
+            fs.makedirs(f"{root.rstrip('/')}/{os.path.dirname(rel)}", exist_ok=True)
+        fs.put_file(os.path.join(local, rel), f"{root.rstrip('/')}/{rel}")
+
+
+def hash_files(local: str, paths: list[str]) -> list[FileEntry]:
+    """Manifest entries (size, sha256, crc32) of the files `paths` relative to `local`."""
+    local_fs, _ = open_fs(local)
+    entries = []
+    for rel in paths:
+        size, sha256, crc = hash_file(local_fs, os.path.join(local, rel))
+        entries.append(FileEntry(path=rel, bytes=size, sha256=sha256, crc32=crc))
+    return entries
 
 
 def local_copy(config: Any, uri: str) -> str:
@@ -134,6 +177,7 @@ class Staging:
     storage_options: dict[str, Any]
     outputs: dict[str, str] = field(default_factory=dict)  # local dir -> remote URL
     inputs: dict[str, str] = field(default_factory=dict)
+    fields: dict[str, str] = field(default_factory=dict)  # dotted config field -> its remote URL, as given
 
     def to_remote(self, path: str) -> str:
         """The remote URL of a local staged path (or of a path under one); other paths unchanged."""
@@ -164,17 +208,15 @@ def _get(config: Any, dotted: str) -> Any:
     return getattr(getattr(config, section), name)
 
 
-@contextlib.contextmanager
-def staged(config: Any) -> Iterator[tuple[Any, Staging]]:
-    """(a copy of `config` with its remote checkpoint and HF locations made local, the `Staging`); new
-    committed outputs are uploaded when the block ends without an error."""
+def stage(config: Any, root: str, fields: tuple[str, ...] = INPUT_FIELDS + OUTPUT_FIELDS) -> tuple[Any, Staging]:
+    """(a copy of `config` whose remote `fields` are local directories under `root`, the `Staging`): inputs
+    downloaded, outputs created and holding the remote's newest committed checkpoint (for a resume)."""
     options = config.run.storage_options
     staging = Staging(options)
-    root = staging_root(config)
     values: dict[str, str] = {}
     for dotted in INPUT_FIELDS:
         uri = _get(config, dotted)
-        if not is_remote(uri):
+        if dotted not in fields or not is_remote(uri):
             continue
         artifact = newest_committed(uri, options)
         if artifact is None:
@@ -182,10 +224,11 @@ def staged(config: Any) -> Iterator[tuple[Any, Staging]]:
                                     "iter_*)")
         local = download(artifact, local_path(root, artifact), options)
         staging.inputs[local] = artifact
+        staging.fields[dotted] = uri
         values[dotted] = local
     for dotted in OUTPUT_FIELDS:
         uri = _get(config, dotted)
-        if not is_remote(uri):
+        if dotted not in fields or not is_remote(uri):
             continue
         local = local_path(root, uri)
         os.makedirs(local, exist_ok=True)
@@ -193,14 +236,26 @@ def staged(config: Any) -> Iterator[tuple[Any, Staging]]:
         if newest is not None and newest != uri:  # a save root: its newest checkpoint, for a resume
             download(newest, os.path.join(local, newest.rstrip("/").rsplit("/", 1)[-1]), options)
         staging.outputs[local] = uri
+        staging.fields[dotted] = uri
         values[dotted] = local
+    return with_values(config, values), staging
+
+
+def with_values(config: Any, values: dict[str, str]) -> Any:
+    """A copy of `config` with the dotted fields of `values` replaced (`config` itself when none)."""
     if not values:
-        yield config, staging
-        return
+        return config
     sections: dict[str, dict[str, str]] = {}
     for dotted, value in values.items():
         section, name = dotted.split(".")
         sections.setdefault(section, {})[name] = value
-    local_config = config.model_copy(update={s: getattr(config, s).model_copy(update=v) for s, v in sections.items()})
+    return config.model_copy(update={s: getattr(config, s).model_copy(update=v) for s, v in sections.items()})
+
+
+@contextlib.contextmanager
+def staged(config: Any) -> Iterator[tuple[Any, Staging]]:
+    """(a copy of `config` with its remote checkpoint and HF locations made local, the `Staging`); new
+    committed outputs are uploaded when the block ends without an error."""
+    local_config, staging = stage(config, staging_root(config))
     yield local_config, staging
     staging.publish()

@@ -142,11 +142,25 @@ def test_one_node_placements_are_not_checked():
     check_across_nodes(rl(sync={"weight_sync_mode": "tensor"}), one)
 
 
-def test_checkpoints_staged_on_the_driver_are_refused_for_train_ranks_on_another_ip(tmp_path):
+def test_checkpoints_staged_on_the_driver_need_node_staging_for_train_ranks_on_another_ip(tmp_path):
     staging = tmp_path / "staging"
     config = rl(engine={"engine_host": "0.0.0.0"},
                 run={"staging_dir": str(staging)}, checkpoint={"save": str(staging / "ab12-checkpoint")})
     with pytest.raises(PlacementError, match=r"staged on the driver's machine \(10.0.0.1.*train ranks run on "
-                                             r"\['10.0.0.3'\]: set checkpoint.save"):
+                                             r"\['10.0.0.3'\]: this caller does not stage them.*set checkpoint.save"):
         check_across_nodes(config, layout("10.0.0.3", "10.0.0.2"))
+    check_across_nodes(config, layout("10.0.0.3", "10.0.0.2"), node_staging=True)  # ranks stage on their nodes
     check_across_nodes(config, layout("10.0.0.1", "10.0.0.2"))  # the train rank on the driver's machine
+    lora = config.model_copy(update={"lora": config.lora.model_copy(update={"lora_rank": 4})})
+    with pytest.raises(PlacementError, match=r"train ranks run on \['10.0.0.3'\]: LoRA stages on the driver only"):
+        check_across_nodes(lora, layout("10.0.0.3", "10.0.0.2"))
+
+
+def test_engines_on_another_ip_cannot_read_a_staged_hf_checkpoint(tmp_path):
+    staging = tmp_path / "staging"
+    config = rl(engine={"engine_host": "0.0.0.0"},
+                run={"staging_dir": str(staging)}, checkpoint={"hf_checkpoint": str(staging / "cd34-hf")})
+    with pytest.raises(PlacementError, match=r"hf_checkpoint of the remote store is staged on the driver's machine "
+                                             r"\(10.0.0.1.*engines run on \['10.0.0.2'\]"):
+        check_across_nodes(config, layout("10.0.0.1", "10.0.0.2"), node_staging=True)
+    check_across_nodes(config, layout("10.0.0.2", "10.0.0.1"), node_staging=True)  # the train rank stages its own

@@ -10,7 +10,9 @@ Layout (a local path: torch_dist writes to a filesystem):
 
 A model-only checkpoint (conversion, `--no-save-optim`) has just `model/` and the manifest. A checkpoint
 exists only once its manifest does; `latest_checkpoint` returns the newest committed iteration, so a
-crash mid-save leaves the previous checkpoint as the newest.
+crash mid-save leaves the previous checkpoint as the newest. With `remote` (train ranks on several nodes,
+a remote store: `slime/storage/node_staging.py`), `save` is each node's local staging directory: every node
+uploads its own files to `{remote}/iter_N`, and the manifest is written there only, last.
 
 With LoRA adapters on the model (`lora.py`), `model/` holds the adapters only and the manifest's `lora`
 entry records their rank, alpha, targets and the base they belong to (its source and content hash):
@@ -46,7 +48,16 @@ from slime.backends.megatron.optimizer import (
 )
 from slime.backends.megatron.rng_state import capture_rng_state, restore_rng_state
 from slime.errors import ConfigError, CorruptArtifactError, NotCommittedError
-from slime.storage.manifest import Manifest, commit_directory, is_committed, producer_info, read_manifest
+from slime.storage.fs import join_uri
+from slime.storage.manifest import (
+    FileEntry,
+    Manifest,
+    commit_directory,
+    is_committed,
+    producer_info,
+    read_manifest,
+)
+from slime.storage.node_staging import commit_from_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -106,19 +117,24 @@ def latest_checkpoint(save: str) -> str | None:
 def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *, optimizer: Any = None,
                     scheduler: Any = None, extra_state: dict[str, Any] | None = None,
                     metadata: dict[str, Any] | None = None, config_hash: str | None = None,
-                    fully_reshardable: bool = False) -> Manifest:
+                    fully_reshardable: bool = False, remote: str | None = None,
+                    storage_options: dict[str, Any] | None = None) -> Manifest:
     """Save under `{save}/iter_N` on every rank (a collective call) and commit it.
 
     With `optimizer` (and `scheduler`), the full training state is saved: optimizer state (for the
     DistributedOptimizer in the 'fully_reshardable' format when asked, else 'dp_reshardable'), scheduler,
     RNG of every rank, `iteration` and the JSON-serialisable `extra_state`. Without, the model only:
     that is what `--no-save-optim` means, so callers pass `optimizer=None` when it is set.
+
+    With `remote` (a URL), `save` is this node's staging directory and the checkpoint is committed at
+    `{remote}/iter_N` from every node's files (`node_staging.commit_from_nodes`), not locally.
     """
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(save, iteration)
-    if is_committed(path):
-        raise ConfigError(f"{path} is already a committed checkpoint; use another --save or iteration")
+    target = join_uri(remote, os.path.basename(path)) if remote else path
+    if is_committed(path) or (remote and is_committed(target, storage_options)):
+        raise ConfigError(f"{target} is already a committed checkpoint; use another --save or iteration")
     extra_json = json.dumps(extra_state or {})  # fail before writing anything if it is not JSON
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and os.path.isdir(path):
@@ -145,10 +161,18 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
             _write_json(os.path.join(path, TRAINING_STATE), {"iteration": iteration, "scheduler": scheduler_state,
                                                              "extra_state": json.loads(extra_json)})
     _barrier()
+    info = {"iteration": iteration, "format": "torch_dist", "model_signature": model_signature(models),
+            "parallel": parallel_layout(models, optimizer), "training_state": optimizer is not None,
+            "optimizer_sharding": sharding, "lora": adapters, **(metadata or {})}
+    if remote:
+        def manifest(files: list[FileEntry]) -> Manifest:
+            return Manifest(kind=CHECKPOINT_KIND, config_hash=config_hash, files=files, metadata=info,
+                            producer=producer_info(stage="checkpoint"))
+
+        committed = commit_from_nodes(path, target, storage_options, manifest)
+        logger.info("committed checkpoint %s from every node's files", target)
+        return committed
     if rank == 0:
-        info = {"iteration": iteration, "format": "torch_dist", "model_signature": model_signature(models),
-                "parallel": parallel_layout(models, optimizer), "training_state": optimizer is not None,
-                "optimizer_sharding": sharding, "lora": adapters, **(metadata or {})}
         commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
                          producer=producer_info(stage="checkpoint"), metadata=info)
         logger.info("committed checkpoint %s (%s)", path, "training state" if optimizer is not None else "model")
