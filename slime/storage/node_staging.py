@@ -75,6 +75,16 @@ def merge_entries(shares: list[list[FileEntry]], uri: str) -> list[FileEntry]:
     return [merged[path] for path in sorted(merged)]
 
 
+def is_node_leader(local: str) -> bool:
+    """Whether this rank is the lowest of those that see `local` on this host (a collective call): the one
+    that cleans and uploads the node's directory."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    key = f"{socket.gethostname()}:{os.path.realpath(local)}"
+    return _all_gather(key).index(key) == rank
+
+
 def commit_from_nodes(local: str, uri: str, storage_options: dict[str, Any] | None,
                       make_manifest: Callable[[list[FileEntry]], Manifest]) -> Manifest:
     """Upload a checkpoint written by all ranks into their nodes' `local` directories to `uri`, and commit
@@ -83,10 +93,8 @@ def commit_from_nodes(local: str, uri: str, storage_options: dict[str, Any] | No
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    key = f"{socket.gethostname()}:{os.path.realpath(local)}"  # ranks sharing a directory: one node
-    keys = _all_gather(key)
     share: list[FileEntry] = []
-    if keys.index(key) == rank:  # the lowest rank of this node uploads the node's files
+    if is_node_leader(local):  # the lowest rank of this node uploads the node's files
         paths = node_files(local)
         share = hash_files(local, paths)
         put_files(local, uri, paths, storage_options)

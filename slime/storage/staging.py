@@ -66,6 +66,7 @@ def newest_committed(uri: str, storage_options: dict[str, Any] | None = None) ->
     if is_committed(uri, storage_options):
         return uri
     fs, path = open_fs(uri, storage_options)
+    fs.invalidate_cache(path)  # other processes (train ranks on other nodes) commit here: list it afresh
     if not fs.exists(path):
         return None
     names = sorted((m.group(1), name) for entry in fs.ls(path, detail=False)

@@ -19,9 +19,11 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def simulated_cluster(worker_cpus: list[int], *, object_store_bytes: int = 150 * 1024**2) -> Iterator[Any]:
-    """Start the head (0 CPUs) and one node per entry of `worker_cpus`, connect this process; yield the
-    `Cluster`; disconnect and stop every process it started (by the cluster's own handles, not by name)."""
+def simulated_cluster(worker_cpus: list[int], *, object_store_bytes: int = 150 * 1024**2,
+                      worker_env: list[dict[str, str]] | None = None) -> Iterator[Any]:
+    """Start the head (0 CPUs) and one node per entry of `worker_cpus` (with the environment of the same entry
+    of `worker_env`, which its raylet's workers inherit), connect this process; yield the `Cluster`;
+    disconnect and stop every process it started (by the cluster's own handles, not by name)."""
     import ray
     import ray._private.utils as ray_utils
     from ray.cluster_utils import Cluster
@@ -35,8 +37,8 @@ def simulated_cluster(worker_cpus: list[int], *, object_store_bytes: int = 150 *
     try:
         node = {"temp_dir": temp_dir, "object_store_memory": object_store_bytes, "include_dashboard": False}
         cluster = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 0})
-        for cpus in worker_cpus:
-            cluster.add_node(**node, num_cpus=cpus)
+        for i, cpus in enumerate(worker_cpus):
+            cluster.add_node(**node, num_cpus=cpus, **({"env_vars": worker_env[i]} if worker_env else {}))
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, _temp_dir=temp_dir)
         yield cluster

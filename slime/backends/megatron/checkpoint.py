@@ -57,7 +57,7 @@ from slime.storage.manifest import (
     producer_info,
     read_manifest,
 )
-from slime.storage.node_staging import commit_from_nodes
+from slime.storage.node_staging import commit_from_nodes, is_node_leader
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
         raise ConfigError(f"{target} is already a committed checkpoint; use another --save or iteration")
     extra_json = json.dumps(extra_state or {})  # fail before writing anything if it is not JSON
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and os.path.isdir(path):
+    cleans = is_node_leader(path) if remote else rank == 0  # with remote, each node has its own directory
+    if cleans and os.path.isdir(path):
         shutil.rmtree(path)  # leftovers of a save that never committed
     _barrier()
     os.makedirs(path, exist_ok=True)
