@@ -69,7 +69,11 @@ def manager(tiny_kit, tmp_path_factory):
     config.engine.rollout_health_check_timeout = 10.0
     config.engine.rollout_max_engine_restarts = 2
     config.sync.weight_sync_mode = "disk"  # update_weight_disk_dir unset: re-synced by the next sync
-    mgr = RolloutManager(config.model_dump(mode="json"), [[], []], str(root / "logs"))
+    yield from _started(RolloutManager(config.model_dump(mode="json"), [[], []], str(root / "logs")))
+
+
+def _started(mgr: RolloutManager):
+    """Start `mgr`'s engines for a fixture; afterwards every engine process it ran must be gone."""
     try:
         mgr.start()
         yield mgr
@@ -226,14 +230,7 @@ def async_manager(tiny_kit, tmp_path):
     config.engine.rollout_health_check_interval = INTERVAL_S
     config.engine.rollout_health_check_timeout = 10.0
     config.sync.weight_sync_mode = "disk"
-    mgr = RolloutManager(config.model_dump(mode="json"), [[], []], str(tmp_path / "logs"))
-    try:
-        mgr.start()
-        yield mgr
-    finally:
-        pids = [e["pid"] for e in mgr.engines()]
-        mgr.dispose()
-        assert not any(_alive(pid) for pid in pids if pid)
+    yield from _started(RolloutManager(config.model_dump(mode="json"), [[], []], str(tmp_path / "logs")))
 
 
 def test_fully_async_pause_aborts_an_engine_restarted_on_a_new_port(async_manager, policy, monkeypatch):
