@@ -43,18 +43,17 @@ class PretrainRecipe(BaseModel):
 
 
 def pretraining_conversations(recipe: PretrainRecipe, seed: int) -> list[list[dict[str, str]]]:
-    """`num_examples` chat conversations of the pretraining task (bare answers, as the tiny kit's SFT)."""
+    """`num_examples` chat conversations of the pretraining task (bare answers, as the tiny kit's SFT), its
+    problems drawn as the kit draws its own (`slime.data.tiny._draw`)."""
+    from slime.data.tiny import DataRecipe, _draw
+
+    task = DataRecipe(ops=recipe.ops, train_digits=recipe.digits)
     rng = random.Random(f"{seed}:pretrain")
     conversations = []
     for _ in range(recipe.num_examples):
-        digits = rng.choice(recipe.digits)
-        lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-        a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(recipe.ops)
-        if op == "-" and a < b:
-            a, b = b, a
-        answer = a + b if op == "+" else a - b if op == "-" else a * b
-        conversations.append([{"role": "user", "content": f"{a}{op}{b}="},
-                              {"role": "assistant", "content": str(answer)}])
+        row = _draw(rng, rng.choice(recipe.digits), task)
+        conversations.append([{"role": "user", "content": row["prompt"]},
+                              {"role": "assistant", "content": row["label"]}])
     return conversations
 
 

@@ -42,12 +42,7 @@ from slime.sync.common import NamedTensors, SyncResult, Timer, in_thread, post_a
 
 INDEX, DATA = "index.json", "data.bin"
 FORMAT = "slime-delta-v1"
-
-
-def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's raw bytes as a flat uint8 array (a copy on the CPU)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().copy()
+CHECKSUM_ALGORITHMS = ("xxh3-128", "blake3", "adler32")  # --update-weight-delta-checksum
 
 
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -55,6 +50,11 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
     else one copy to the host."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's raw bytes as a flat uint8 array of its own (never a view of the tensor)."""
+    return host_bytes(tensor).copy()
 
 
 def checksum(data: np.ndarray | bytes, algorithm: str) -> str:

@@ -105,13 +105,13 @@ def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: An
     before any is applied. Absent: nothing to check (a plain SGLang request)."""
     if checksums is None:
         return
-    from slime.sync.delta import checksum, host_bytes
+    from slime.sync.delta import CHECKSUM_ALGORITHMS, checksum, host_bytes
 
     if not isinstance(checksums, list) or len(checksums) != len(received):
         raise BadRequestError(f"checksums must be a list of one checksum per name ({len(received)}), got "
                               f"{type(checksums).__name__} of {len(checksums) if isinstance(checksums, list) else '?'}")
-    if algorithm not in ("xxh3-128", "blake3", "adler32"):
-        raise BadRequestError(f"checksum_algorithm {algorithm!r}: one of xxh3-128, blake3, adler32")
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise BadRequestError(f"checksum_algorithm {algorithm!r}: one of {', '.join(CHECKSUM_ALGORITHMS)}")
     for (name, tensor), expected in zip(received, checksums, strict=True):
         got = checksum(host_bytes(tensor), algorithm)
         if got != expected:
