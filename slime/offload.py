@@ -75,12 +75,6 @@ class HostParking:
         self._parked = []
         return moved
 
-    def clear(self) -> None:
-        """Free the pinned memory (after `unpark`)."""
-        if self._parked:
-            raise RuntimeError("HostParking.clear: tensors are still parked; unpark them first")
-        self._host.clear()
-
 
 def _synchronize(devices: Iterable[torch.device]) -> None:
     for device in {d for d in devices if d.type == "cuda"}:
