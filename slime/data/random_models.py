@@ -13,16 +13,22 @@ from typing import Any
 
 import torch
 
-QWEN2_SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 0.5B and 1.5B
+QWEN2_SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 0.5B to 14B (the larger ones: what only LoRA fits on one GPU)
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                intermediate_size=13824, vocab_size=152064, tie_word_embeddings=False),
 }
 
 
 def qwen2_config(size: str, max_position_embeddings: int = 4096) -> Any:
-    """The `Qwen2Config` of a Qwen2.5 model size ("0.5b", "1.5b")."""
+    """The `Qwen2Config` of a Qwen2.5 model size (a key of `QWEN2_SHAPES`)."""
     from transformers import Qwen2Config
 
     if size not in QWEN2_SHAPES:
