@@ -20,13 +20,13 @@ def one_tensor_parallel_rank(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
 
 
-def plain_scores(logits, batch, temperature, with_entropy):
+def plain_scores(logits, batch, temperature, with_entropy, vocab=VOCAB):
     """The unfused formula: a gathered fp32 `[B, R, V]` copy of the scoring logits."""
     positions, mask = response_positions(batch)
     seq = batch.tokens.shape[1]
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
     scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
-    scoring = scoring[..., :VOCAB]
+    scoring = scoring[..., :vocab]
     logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
     entropy = torch.where(mask, entropy_from_logits(scoring), 0.0) if with_entropy else None
     return torch.where(mask, logp, 0.0), mask, entropy
@@ -107,3 +107,36 @@ def test_forward_only_needs_no_graph():
     want_logp, _, want_entropy = plain_scores(logits, batch, 1.0, True)
     torch.testing.assert_close(logp, want_logp, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
+    """On CUDA with Qwen2's 151,936-token vocabulary (padded to 152,064 here), bf16 logits: the same values
+    and gradients as the plain formula, and a lower peak than its fp32 copies."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    vocab, padded, seq = 151936, 152064, 1024
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(index=i, tokens=torch.randint(0, vocab, (seq - 100 * i,), generator=g).tolist(),
+                      response_length=seq - 100 * i - 1 - 50 * i) for i in range(2)]
+    batch = pad_samples(samples, device="cuda")
+    base = (torch.randn(2, seq, padded, generator=g) * 3).to("cuda", torch.bfloat16)
+    up = torch.randn(2, batch.max_response_length, generator=g).cuda()
+    results = []
+    for fused in (False, True):
+        logits = base.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        if fused:
+            logp, _, entropy = score_logits(logits, batch, vocab_size=vocab, temperature=0.8, with_entropy=True)
+        else:
+            logp, _, entropy = plain_scores(logits, batch, 0.8, True, vocab=vocab)
+        ((logp * up).sum() + (entropy * up).sum()).backward()
+        torch.cuda.synchronize()
+        results.append((logp.detach(), entropy.detach(), logits.grad, torch.cuda.max_memory_allocated() - start))
+    (want_logp, want_entropy, want_grad, plain_peak), (logp, entropy, grad, fused_peak) = results
+    torch.testing.assert_close(logp, want_logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-2, rtol=2e-2)
+    assert fused_peak < plain_peak, (fused_peak, plain_peak)
