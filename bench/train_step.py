@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--loss", choices=("sft", "grpo"), default="sft",
                         help="sft: SFT steps; grpo: old and reference log-probs, then the policy loss with KL")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1,
-                        help="train.log_probs_chunk_size: response positions scored per chunk (-1: all)")
+                        help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     args = parser.parse_args()
