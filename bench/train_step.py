@@ -3,15 +3,26 @@
     python bench/train_step.py --model 0.5b --seq 1024 --global-batch 16 --micro-batch 4
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
-gradients, Adam), then times full SFT train steps (every token but the first is a loss token) after
-warm-up steps. Prints one JSON line per configuration:
+gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
+steps, every token but the first a loss token. `--loss grpo`: the train side of a GRPO iteration as the
+train actor pays it (slime/ray/train_actor.py): the old policy's log-probs recomputed by the policy
+(`compute_log_probs`, forward only), the reference log-probs by a second, frozen model of the same shape
+(built without DDP as the actor builds its reference, starting from the policy's weights), then
+`train_step` with the policy loss (PPO clip, entropy as a metric) plus a low_var_kl loss to the
+reference (`kl_loss_coef` 0.01) on per-sample advantages; prompts are the first quarter of each
+sequence, responses the rest. Prints one JSON line per configuration:
 
 * tokens/s = tokens per step (global batch x sequence) / median step time;
 * MFU = 6 * params * tokens/s / peak (params counts the tied embedding once: it is the output
   layer's matmul), and `mfu_with_attention` adds the causal attention matmuls
-  (6 * layers * seq * hidden per token, i.e. half of the full 12 L s h);
+  (6 * layers * seq * hidden per token, i.e. half of the full 12 L s h); `bench/mfu.py`, shared with
+  the plain-PyTorch reference `bench/torch_reference.py`;
+* with `--loss grpo` the step includes the two forward-only passes, each counted as 2 * params per
+  token (attention likewise a third of the train figure): 10 N in all; `logprobs_s` and `train_s`
+  split the step time;
 * peak is H100 dense bf16, 989 TFLOP/s, unless `--peak-tflops` says otherwise.
 With `--lora-rank R` every linear layer gets rank-R adapters on the frozen base (docs/lora.md): the
 base's weight gradients are skipped, so the same MFU formula (6 x params) overstates the work done;
@@ -26,8 +37,10 @@ import json
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
+from mfu import H100_BF16_TFLOPS, mfu_fields
 
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
@@ -40,12 +53,19 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100 dense bf16")
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="H100 dense bf16")
+    parser.add_argument("--loss", choices=("sft", "grpo"), default="sft",
+                        help="sft: SFT steps; grpo: old and reference log-probs, then the policy loss with KL")
+    parser.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                        help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
+    if args.loss == "grpo" and args.lora_rank:
+        raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
+                         "base with its starting adapters, not a second model")
 
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
@@ -62,34 +82,84 @@ def main() -> None:
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
+        ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True)
     params = sum(p.numel() for p in models[0].parameters())
-    settings = StepSettings(loss_type="sft_loss", micro_batch_size=args.micro_batch)
+    grpo = args.loss == "grpo"
+    settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
+                            use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
+                            log_probs_chunk_size=args.log_probs_chunk_size)
     generator = torch.Generator().manual_seed(0)
     for seq in args.seq:
+        response = seq - seq // 4 if grpo else seq - 1
         samples = [Sample(index=i, tokens=torch.randint(0, config.vocab_size, (seq,), generator=generator).tolist(),
-                          response_length=seq - 1) for i in range(args.global_batch)]
-        times = []
+                          response_length=response) for i in range(args.global_batch)]
+        advantages = torch.randn(args.global_batch, generator=generator).tolist()  # GRPO: one per sample
+        times, logprob_times = [], []
         torch.cuda.reset_peak_memory_stats()
         for step in range(args.warmup + args.steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            metrics = train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size)
+            arrays = None
+            if grpo:
+                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size)
+                torch.cuda.synchronize()
+                logprob_s = time.perf_counter() - start
+            metrics = train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             torch.cuda.synchronize()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
+                logprob_times.append(logprob_s if grpo else 0.0)
         step_s = statistics.median(times)
         tokens_per_s = args.global_batch * seq / step_s
-        flops_per_token = 6 * params
-        attention_flops = 6 * shape["num_hidden_layers"] * seq * shape["hidden_size"]
+        extra = {}
+        if grpo:
+            logprobs_s = statistics.median(logprob_times)
+            extra = {"logprobs_s": round(logprobs_s, 4), "train_s": round(statistics.median(
+                [t - lp for t, lp in zip(times, logprob_times, strict=True)]), 4),
+                "pg_loss": round(metrics["pg_loss"], 4), "kl_loss": round(metrics["kl_loss"], 4)}
         print(json.dumps({
-            "model": args.model, "params": params, "seq": seq, "global_batch": args.global_batch,
-            "micro_batch": args.micro_batch, "step_s": round(step_s, 4), "steps": args.steps,
-            "lora_rank": args.lora_rank, "trainable_params": count_parameters(models)["trainable"],
-            "tokens_per_s": round(tokens_per_s), "mfu": round(flops_per_token * tokens_per_s / args.peak_tflops / 1e12, 4),
-            "mfu_with_attention": round((flops_per_token + attention_flops) * tokens_per_s / args.peak_tflops / 1e12, 4),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(metrics["sft_loss"], 3),
+            "model": args.model, "loss_kind": args.loss, "params": params, "seq": seq,
+            "global_batch": args.global_batch, "micro_batch": args.micro_batch, "step_s": round(step_s, 4),
+            "steps": args.steps, "lora_rank": args.lora_rank, "log_probs_chunk_size": args.log_probs_chunk_size,
+            "trainable_params": count_parameters(models)["trainable"], "tokens_per_s": round(tokens_per_s),
+            **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
+                         peak_tflops=args.peak_tflops, forward_passes=2 if grpo else 0),
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
+
+
+def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module], samples: list[Any],
+                advantages: list[float], settings: Any, vocab_size: int) -> Any:
+    """What the train actor computes before a GRPO step: old-policy and reference log-probs (forward only)."""
+    from slime.backends.megatron.logprobs import compute_log_probs
+    from slime.backends.megatron.step_data import TrainArrays
+
+    batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
+                    chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature)
+    return TrainArrays(advantages=advantages,
+                       old_log_probs=compute_log_probs(models, samples, **batching).log_probs,
+                       ref_log_probs=compute_log_probs(ref_models, samples, **batching).log_probs)
+
+
+def reference_model(bridge: Any, models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """A frozen model of the policy's shape holding the policy's weights (the actor's reference model)."""
+    from mbridge.core.util import unwrap_model
+
+    from slime.backends.megatron.bridge import build_model
+
+    ref_models = build_model(bridge)
+    with torch.no_grad():
+        for policy, ref in zip(unwrap_model(models), ref_models, strict=True):
+            for (name, src), (_, dst) in zip(policy.named_parameters(), ref.named_parameters(), strict=True):
+                if src.shape != dst.shape:
+                    raise SystemExit(f"reference model differs from the policy at {name}")
+                dst.copy_(src)
+    for model in ref_models:
+        model.requires_grad_(False)
+        model.eval()
+    return ref_models
 
 
 if __name__ == "__main__":

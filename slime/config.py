@@ -420,8 +420,9 @@ class TrainConfig(_Section):
     data_pad_size_multiplier: int = Field(1, ge=1, description="right-pad every micro-batch's sequence length to a "
                                                                "multiple of this")
     log_probs_chunk_size: int = Field(-1, description="score response positions in chunks of this many (log-softmax "
-                                                      "over the vocabulary per chunk, less peak memory); -1: all at "
-                                                      "once")
+                                                      "over the vocabulary per chunk, less peak memory); -1: the "
+                                                      "scorer's default (chunks of ~2^26 fp32 values, or all at "
+                                                      "once under tensor parallelism); the values do not change")
     megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
                                                                "role: actor, overrides: {...}}]): the actor entry's "
                                                                "overrides win over flags and YAML; critic: ignored")

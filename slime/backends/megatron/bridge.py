@@ -9,7 +9,11 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
    spec (`use_transformer_engine=False`).
 3. The local spec has separate norm weights (`input_layernorm`, `pre_mlp_layernorm`) that mbridge's
    name maps do not know; they are added (the MLP map is chosen by "mlp" in the name).
-4. The fused kernels that need apex or TE are switched off.
+4. The fused kernels that need apex or TE are switched off. megatron's fused SwiGLU
+   (`bias_activation_fusion`, `megatron.core.fusions.fused_bias_swiglu`, bias or not) needs neither: it
+   is `torch.compile`d (`megatron.core.jit.jit_fuser`), so it is on where torch.compile makes GPU kernels
+   (CUDA with Triton, `fused_activation_available`) and off on CPU, where it would only add an inductor
+   C++ compile to the first step. Rotary fusion (`apply_rope_fusion`) needs TE and stays off.
 5. LoRA adapters (`lora.py`) are parameters mbridge has no HF name for: its local -> global name map
    leaves them out, so loading HF weights fills the base and never touches an adapter.
 
@@ -149,7 +153,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,  # fix 4
-                      gradient_accumulation_fusion=False, persist_layer_norm=False)
+                      gradient_accumulation_fusion=False, persist_layer_norm=False,
+                      bias_activation_fusion=fused_activation_available())
     if not torch.cuda.is_available():
         fusion_off["use_cpu_initialization"] = True
     # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
@@ -160,6 +165,12 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
         k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}
     return bridge
+
+
+def fused_activation_available() -> bool:
+    """Whether megatron's torch.compile'd SwiGLU runs as a fused GPU kernel here: CUDA, and Triton for
+    inductor to generate it with."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:

@@ -10,10 +10,14 @@ mask, the layout of `slime.algorithms`.
 Megatron pads the vocabulary (to a multiple of 128); the padded entries are not tokens, so they are
 cut off before the softmax; otherwise they would take probability mass and the log-probs would
 differ from the HF model's and the engine's. Temperature divides the logits as in sampling.
-With tensor parallelism the logits are vocab-sharded; each rank scores with all-reduced sums over the
-tensor-parallel group (`_vocab_parallel_scores`). With `chunk_size` > 0 (slime's --log-probs-chunk-size)
-the response positions are scored `chunk_size` at a time, so the softmax over the vocabulary never
-holds more than `[B, chunk_size, V]` at once; the values do not change.
+Without tensor parallelism `ResponseScores` scores straight from the (bf16) logits: each row's scoring
+positions are one contiguous range, read as a view, chunk by chunk in fp32, and its backward writes the
+logits' gradient chunk by chunk, so no fp32 `[B, R, V]` copy (nor a gathered one) is ever made. With
+tensor parallelism the logits are vocab-sharded; each rank scores the gathered scoring positions with
+all-reduced sums over the tensor-parallel group (`_vocab_parallel_scores`). With `chunk_size` > 0
+(slime's --log-probs-chunk-size) the response positions are scored `chunk_size` at a time, so the
+softmax over the vocabulary never holds more than `[B, chunk_size, V]` at once (unset, the fused path
+picks chunks of `CHUNK_ELEMENTS`); the values do not change.
 
 `compute_log_probs` runs this forward-only over micro-batches (fixed size or packed by tokens) for the
 reference model, the old policy and tests, and returns one response-aligned tensor per sample.
@@ -27,7 +31,6 @@ from typing import Any
 
 import torch
 
-from slime.algorithms.policy_loss import entropy_from_logits
 from slime.backends.megatron.batching import micro_batches
 from slime.backends.megatron.forward import forward_only, is_last_stage, pipeline_size, share_from_last_stage
 from slime.errors import ConfigError
@@ -98,7 +101,11 @@ def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, t
                  with_entropy: bool = False,
                  chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` from the logits of `forward_logits`: the part the train step may recompute in
-    the backward pass instead of keeping its activations (slime's --recompute-loss-function)."""
+    the backward pass instead of keeping its activations (slime's --recompute-loss-function).
+
+    Without tensor parallelism the scores come from `ResponseScores`, which reads each row's scoring
+    positions as a view of the logits and never materialises an fp32 `[B, R, V]` copy; under tensor
+    parallelism the scoring positions are gathered and scored by `_vocab_parallel_scores`."""
     from megatron.core import parallel_state
 
     if temperature <= 0:
@@ -106,33 +113,122 @@ def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, t
     seq = batch.tokens.shape[1]
     positions, mask = response_positions(batch)
     targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
-    # only the scoring positions: [B, R_max, V(_local)], temperature-scaled
-    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
-    parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
-    width = scoring.shape[1]
-    step = chunk_size if chunk_size > 0 else max(width, 1)
-    pieces = [_scores(scoring[:, i:i + step], targets[:, i:i + step], vocab_size, with_entropy, parallel)
-              for i in range(0, width, step)] or [_scores(scoring, targets, vocab_size, with_entropy, parallel)]
-    logp = torch.cat([p[0] for p in pieces], dim=1)
-    entropy = torch.cat([p[1] for p in pieces], dim=1) if with_entropy else None
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logp, entropy = _parallel_scores(logits, positions, targets, vocab_size, temperature, with_entropy,
+                                         chunk_size)
+    else:
+        starts, lengths = (batch.prompt_lengths - 1).tolist(), batch.response_lengths.tolist()
+        logp, entropy = ResponseScores.apply(logits, targets, tuple(starts), tuple(lengths), vocab_size,
+                                             temperature, chunk_size, with_entropy)
     logp = torch.where(mask, logp, 0.0)
     entropy = torch.where(mask, entropy, 0.0) if with_entropy else None
     return logp, mask, entropy
 
 
-def _scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool,
-            parallel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) `[B, r]` of `targets` under the temperature-scaled logits `[B, r, V(_local)]`."""
-    if parallel:
-        return _vocab_parallel_scores(scoring, targets, vocab_size, with_entropy)
-    scoring = scoring[..., :vocab_size]  # the real vocabulary only
-    logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
-    return logp, entropy_from_logits(scoring) if with_entropy else None
+def _parallel_scores(logits: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                     temperature: float, with_entropy: bool,
+                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) `[B, R_max]` from vocab-sharded logits, `chunk_size` positions at a time."""
+    # only the scoring positions: [B, R_max, V_local], temperature-scaled
+    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
+    width = scoring.shape[1]
+    step = chunk_size if chunk_size > 0 else max(width, 1)
+    pieces = [_vocab_parallel_scores(scoring[:, i:i + step], targets[:, i:i + step], vocab_size, with_entropy)
+              for i in range(0, width, step)] or [_vocab_parallel_scores(scoring, targets, vocab_size, with_entropy)]
+    logp = torch.cat([p[0] for p in pieces], dim=1)
+    return logp, torch.cat([p[1] for p in pieces], dim=1) if with_entropy else None
+
+
+# fp32 elements of one scoring chunk when `chunk_size` is unset: 2^26 x 4 bytes = 256 MiB (~440 positions of
+# a 152k vocabulary), enough to keep each kernel large, small next to the `[B, S, V]` bf16 logits
+CHUNK_ELEMENTS = 2**26
+
+
+class ResponseScores(torch.autograd.Function):
+    """Response log-probs (and entropies) `[B, R_max]` straight from the logits `[B, S, V_padded]`.
+
+    Row b's response is scored by positions `starts[b] ... starts[b] + lengths[b] - 1`, one contiguous
+    range, so each chunk is a view of the logits (all rows at once when they share their range, as in
+    SFT) instead of a gathered copy. Per chunk of positions, forward computes in fp32 from the logits'
+    dtype z = logits[..., :V] / T, log Z = logsumexp(z), log p(target) = z_target - log Z and, with
+    `with_entropy`, H = log Z - E_p[z]; it keeps only log Z and E_p[z] (`[B, R]`) and the logits it was
+    given. Backward recomputes p = exp(z - log Z) chunk by chunk and writes, into a gradient of the
+    logits' dtype and shape (0 on prompt, padding and padded-vocabulary entries),
+
+        dL/dlogits = (g_logp * (onehot(target) - p) + g_H * p * (E_p[z] - z)) / T.
+
+    At most one `[rows, chunk, V]` fp32 chunk (and its p) is alive at a time. Positions past a row's
+    length give log-prob and entropy 0 (the caller masks them). `chunk_size` <= 0 picks chunks of about
+    `CHUNK_ELEMENTS`; the values do not depend on it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, starts: tuple[int, ...],
+                lengths: tuple[int, ...], vocab_size: int, temperature: float, chunk_size: int,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width = targets.shape
+        logp = torch.zeros(rows, width, dtype=torch.float32, device=logits.device)
+        log_z, mean_z = torch.zeros_like(logp), torch.zeros_like(logp)
+        for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
+            z = _scaled(logits[rs, start + i:start + i + n, :vocab_size], temperature)
+            lz = torch.logsumexp(z, dim=-1)
+            log_z[rs, i:i + n] = lz
+            logp[rs, i:i + n] = z.gather(-1, targets[rs, i:i + n].unsqueeze(-1)).squeeze(-1) - lz
+            if with_entropy:
+                mean_z[rs, i:i + n] = (torch.exp(z - lz.unsqueeze(-1)) * z).sum(dim=-1)
+        ctx.save_for_backward(logits, targets, log_z, mean_z)
+        ctx.setup = (starts, lengths, vocab_size, temperature, chunk_size)
+        ctx.set_materialize_grads(False)
+        entropy = log_z - mean_z if with_entropy else torch.zeros_like(logp)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple:
+        logits, targets, log_z, mean_z = ctx.saved_tensors
+        starts, lengths, vocab_size, temperature, chunk_size = ctx.setup
+        grad = torch.zeros_like(logits)
+        if grad_logp is None and grad_entropy is None:
+            return grad, None, None, None, None, None, None, None
+        for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
+            z = _scaled(logits[rs, start + i:start + i + n, :vocab_size], temperature)
+            lz = log_z[rs, i:i + n].unsqueeze(-1)
+            p = torch.exp(z - lz)
+            g = torch.zeros_like(p)
+            if grad_entropy is not None:  # dH/dz = p (E_p[z] - z)
+                g = p * (mean_z[rs, i:i + n].unsqueeze(-1) - z) * grad_entropy[rs, i:i + n].unsqueeze(-1)
+            if grad_logp is not None:  # dlogp/dz = onehot - p
+                gl = grad_logp[rs, i:i + n].unsqueeze(-1)
+                g = g - p * gl
+                g.scatter_add_(-1, targets[rs, i:i + n].unsqueeze(-1), gl)
+            if temperature != 1.0:
+                g = g / temperature
+            grad[rs, start + i:start + i + n, :vocab_size] = g
+        return grad, None, None, None, None, None, None, None
+
+
+def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """An fp32 copy of a logits chunk, divided by the temperature."""
+    z = chunk.to(torch.float32, copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _chunks(starts: tuple[int, ...], lengths: tuple[int, ...], vocab_size: int,
+            chunk_size: int) -> Iterator[tuple[slice, int, int, int]]:
+    """(rows, first logits position, first response step, steps) of each chunk: all rows together when
+    they share start and length (one view of the logits), else row by row."""
+    if len(set(starts)) == 1 and len(set(lengths)) == 1:
+        groups = [(slice(None), starts[0], lengths[0], len(starts))]
+    else:
+        groups = [(slice(b, b + 1), s, n, 1) for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+    for rows, start, length, count in groups:
+        step = chunk_size if chunk_size > 0 else max(1, CHUNK_ELEMENTS // (count * vocab_size))
+        for i in range(0, length, step):
+            yield rows, start, i, min(step, length - i)
 
 
 def _vocab_parallel_scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_size: int,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs and entropies `[B, R]` from this tensor-parallel rank's vocabulary shard `[B, R, V/tp]`.
+    """Log-probs and entropies `[B, r]` from this tensor-parallel rank's vocabulary shard `[B, r, V/tp]`.
 
     Padded vocabulary columns become -inf (probability 0). The log-prob is megatron's vocab-parallel
     cross entropy, negated; the entropy H = log Z - E_p[z] is built from sums all-reduced over the

@@ -1,0 +1,142 @@
+"""`score_logits` (the fused `ResponseScores`) equals the plain formula it replaced: gather the scoring
+positions, fp32, divide by the temperature, cut the padded vocabulary, log-softmax, gather the targets
+(entropy: `entropy_from_logits`); values and gradients, fp32 and bf16, on CPU."""
+
+import pytest
+import torch
+
+from slime.algorithms.policy_loss import entropy_from_logits
+from slime.backends.megatron import logprobs
+from slime.backends.megatron.logprobs import pad_samples, response_positions, score_logits
+from slime.types import Sample
+
+VOCAB, PADDED = 37, 48  # Megatron pads the vocabulary; the padded columns are not tokens
+
+
+@pytest.fixture(autouse=True)
+def one_tensor_parallel_rank(monkeypatch):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+
+
+def plain_scores(logits, batch, temperature, with_entropy, vocab=VOCAB):
+    """The unfused formula: a gathered fp32 `[B, R, V]` copy of the scoring logits."""
+    positions, mask = response_positions(batch)
+    seq = batch.tokens.shape[1]
+    targets = batch.tokens.gather(1, (positions + 1).clamp(max=seq - 1))
+    scoring = logits.gather(1, positions.unsqueeze(2).expand(-1, -1, logits.shape[2])).float() / temperature
+    scoring = scoring[..., :vocab]
+    logp = torch.log_softmax(scoring, dim=-1).gather(2, targets.unsqueeze(2)).squeeze(2)
+    entropy = torch.where(mask, entropy_from_logits(scoring), 0.0) if with_entropy else None
+    return torch.where(mask, logp, 0.0), mask, entropy
+
+
+def make_batch(same_range: bool) -> logprobs.PaddedBatch:
+    g = torch.Generator().manual_seed(0)
+    # (prompt, response): SFT scores every token after the first, all rows alike; RL rows differ, one
+    # has nothing to score
+    shapes = [(1, 11), (1, 11), (1, 11)] if same_range else [(3, 5), (1, 10), (6, 0), (2, 3)]
+    samples = [Sample(index=i, tokens=torch.randint(0, VOCAB, (p + r,), generator=g).tolist(), response_length=r)
+               for i, (p, r) in enumerate(shapes)]
+    return pad_samples(samples, multiple=4)
+
+
+def compare(batch, dtype, temperature, with_entropy, chunk_size, atol, rtol, entropy_atol=None):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(*batch.tokens.shape, PADDED, generator=g) * 3
+    up_logp = torch.randn(batch.tokens.shape[0], batch.max_response_length, generator=g)
+    up_entropy = torch.randn(batch.tokens.shape[0], batch.max_response_length, generator=g)
+    results = []
+    for fn in (plain_scores, None):
+        logits = base.to(dtype).requires_grad_(True)
+        if fn is None:
+            logp, mask, entropy = score_logits(logits, batch, vocab_size=VOCAB, temperature=temperature,
+                                               with_entropy=with_entropy, chunk_size=chunk_size)
+        else:
+            logp, mask, entropy = fn(logits, batch, temperature, with_entropy)
+        loss = (logp * up_logp).sum() + ((entropy * up_entropy).sum() if with_entropy else 0)
+        loss.backward()
+        results.append((logp.detach(), mask, entropy.detach() if with_entropy else None, logits.grad))
+    (want_logp, want_mask, want_entropy, want_grad), (logp, mask, entropy, grad) = results
+    assert torch.equal(mask, want_mask)
+    assert logp.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(logp, want_logp, atol=atol, rtol=rtol)
+    if with_entropy:
+        # H = log Z - E_p[z] here, -sum p log p there: fp32 cancellation of values ~|z| ~ 10
+        torch.testing.assert_close(entropy, want_entropy, atol=entropy_atol or atol, rtol=rtol)
+    else:
+        assert entropy is None
+    assert grad[..., VOCAB:].abs().max() == 0  # the padded vocabulary gets no gradient
+    torch.testing.assert_close(grad.float(), want_grad.float(), atol=atol, rtol=rtol)
+    assert want_grad.abs().max() > 0.1  # the comparison is not between two zero gradients
+
+
+@pytest.mark.parametrize("same_range", [True, False], ids=["one range", "ragged rows"])
+@pytest.mark.parametrize("chunk_size", [-1, 1, 4])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fp32_equals_the_plain_formula(same_range, chunk_size, with_entropy):
+    compare(make_batch(same_range), torch.float32, 0.7, with_entropy, chunk_size, atol=1e-6, rtol=1e-6,
+            entropy_atol=2e-5)
+
+
+@pytest.mark.parametrize("same_range", [True, False], ids=["one range", "ragged rows"])
+def test_bf16_equals_the_plain_formula_within_bf16_rounding(same_range):
+    # both compute in fp32 from the same bf16 logits; only the bf16 gradient's rounding differs
+    compare(make_batch(same_range), torch.bfloat16, 1.3, True, 3, atol=2e-2, rtol=2e-2)
+
+
+def test_unset_chunk_size_chunks_by_elements(monkeypatch):
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 3 * VOCAB * 2)  # two positions of three rows per chunk
+    assert [c[2:] for c in logprobs._chunks((0, 0, 0), (5, 5, 5), VOCAB, -1)] == [(0, 2), (2, 2), (4, 1)]
+    compare(make_batch(True), torch.float32, 1.0, True, -1, atol=1e-6, rtol=1e-6, entropy_atol=2e-5)
+
+
+def test_ragged_rows_are_scored_row_by_row():
+    chunks = list(logprobs._chunks((2, 0, 5), (4, 9, 0), VOCAB, 3))
+    assert [(c[0], c[1], c[2], c[3]) for c in chunks] == [
+        (slice(0, 1), 2, 0, 3), (slice(0, 1), 2, 3, 1),
+        (slice(1, 2), 0, 0, 3), (slice(1, 2), 0, 3, 3), (slice(1, 2), 0, 6, 3)]
+
+
+def test_forward_only_needs_no_graph():
+    batch = make_batch(False)
+    logits = torch.randn(*batch.tokens.shape, PADDED)
+    with torch.no_grad():
+        logp, mask, entropy = score_logits(logits, batch, vocab_size=VOCAB, temperature=1.0, with_entropy=True)
+    want_logp, _, want_entropy = plain_scores(logits, batch, 1.0, True)
+    torch.testing.assert_close(logp, want_logp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
+    """On CUDA with Qwen2's 151,936-token vocabulary (padded to 152,064 here), bf16 logits: the same values
+    and gradients as the plain formula, and a lower peak than its fp32 copies."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    vocab, padded, seq = 151936, 152064, 1024
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(index=i, tokens=torch.randint(0, vocab, (seq - 100 * i,), generator=g).tolist(),
+                      response_length=seq - 100 * i - 1 - 50 * i) for i in range(2)]
+    batch = pad_samples(samples, device="cuda")
+    base = (torch.randn(2, seq, padded, generator=g) * 3).to("cuda", torch.bfloat16)
+    up = torch.randn(2, batch.max_response_length, generator=g).cuda()
+    results = []
+    for fused in (False, True):
+        logits = base.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        if fused:
+            logp, _, entropy = score_logits(logits, batch, vocab_size=vocab, temperature=0.8, with_entropy=True)
+        else:
+            logp, _, entropy = plain_scores(logits, batch, 0.8, True, vocab=vocab)
+        ((logp * up).sum() + (entropy * up).sum()).backward()
+        torch.cuda.synchronize()
+        results.append((logp.detach(), entropy.detach(), logits.grad, torch.cuda.max_memory_allocated() - start))
+    (want_logp, want_entropy, want_grad, plain_peak), (logp, entropy, grad, fused_peak) = results
+    torch.testing.assert_close(logp, want_logp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-2, rtol=2e-2)
+    assert fused_peak < plain_peak, (fused_peak, plain_peak)

@@ -1,0 +1,22 @@
+"""bench/train_step.py --loss grpo's pieces (reference model, old/reference log-prob recompute) on CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_grpo_step_pieces(tiny_kit):
+    result = subprocess.run([sys.executable, str(HERE / "train_step_grpo.py"), str(tiny_kit.model_dir)],
+                            capture_output=True, text=True, timeout=300, cwd=HERE.parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][0])
+    first, second = row["steps"]
+    assert row["ref_trainable"] == 0  # frozen
+    # the old log-probs are the policy's own; the reference starts as the policy, so the first KL is 0
+    assert first["old_vs_direct"] < 1e-6 and first["old_vs_ref"] < 1e-6 and first["kl_loss"] < 1e-9, row
+    # after one step the policy has moved away from the frozen reference
+    assert second["old_vs_direct"] < 1e-6 and second["old_vs_ref"] > 1e-4 and second["kl_loss"] > 0, row
+    assert first["grad_norm"] > 0, row
