@@ -109,15 +109,16 @@ def test_sample_and_the_graph_sampler_draw_what_the_previous_sampler_drew(mix, v
             assert bool(torch.isfinite(got_logprobs).all())
 
 
-def test_the_graph_sampler_reads_bf16_logits_as_float32():
+@pytest.mark.parametrize(("mix", "truncate"), [("greedy rows", False), ("everything", True)])
+def test_the_graph_sampler_reads_bf16_logits_as_float32(mix, truncate):
     """In the graph the sampler gets the model's bf16 logits: dividing by the temperature promotes
-    them to exactly the float32 values `.float()` gives."""
-    args = list(_rows("everything", 16, 300, 0))
+    them to exactly the float32 values `.float()` gives (and greedy rows rank the bf16 logits)."""
+    args = list(_rows(mix, 16, 300, 0))
     half = args[0].bfloat16()
     args[0] = half.float()
-    want = sample_rows(*args, top_k=300, top_p=True)
+    want = _reference_sample(*args)
     args[0] = half
-    got = sample_rows(*args, top_k=300, top_p=True)
+    got = sample_rows(*args, top_k=300 if truncate else 0, top_p=truncate)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -147,3 +148,34 @@ def test_slot_decoder_samples_its_staged_rows_like_sample(tiny_kit, truncate):
         got_tokens, packed = decoder.decode_sample(tokens, host, rows, truncate)
     assert torch.equal(got_tokens, want[0]) and torch.equal(packed[:, 0].long(), want[0])
     assert torch.allclose(packed[:, 1].float(), want[1], atol=1e-6, rtol=0)
+
+
+def test_slot_decoder_samples_eagerly_when_the_truncating_graph_is_missing(tiny_kit, monkeypatch):
+    """The guard for a top-k/top-p sampler that could not be captured: `decode_sample` then samples the
+    default graph's logits eagerly, with the same draws."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.builtin import slots as slots_module
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
+    decoder = slots_module.SlotDecoder(model, slots=8, max_len=32, device=torch.device("cpu"), cuda_graphs=False)
+    rows, vocab = 5, model.config.vocab_size
+    _, temperatures, top_ps, top_ks, uniforms = _rows("everything", rows, vocab, 4)
+    tokens = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(5))
+    host = decoder.stage()
+    for name, values in zip(slots_module.INPUT_ROWS, (temperatures, top_ps, top_ks, uniforms, torch.arange(rows)),
+                            strict=True):
+        host[slots_module.INPUT_ROWS.index(name), :rows] = values.double()
+    with torch.inference_mode():
+        want_tokens, want_packed = decoder.decode_sample(tokens, host, rows, truncate=True)
+        launch = decoder._launch
+
+        def no_truncating_graph(tokens, host, batch, truncate):
+            if truncate:
+                raise slots_module._NoTruncatingGraph
+            return launch(tokens, host, batch, truncate)
+
+        monkeypatch.setattr(decoder, "_launch", no_truncating_graph)
+        got_tokens, got_packed = decoder.decode_sample(tokens, host, rows, truncate=True)
+    assert torch.equal(got_tokens, want_tokens)
+    assert torch.allclose(got_packed, want_packed, atol=1e-6, rtol=0)

@@ -186,12 +186,15 @@ def sample_rows(
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop & (top_ps < 1).unsqueeze(1), float("-inf"))
     logprobs = torch.log_softmax(scaled, dim=1)
+    # greedy rows are divided by 1, so without truncation their argmax is the logits' own: read the
+    # model's (bf16) logits instead of the float32 copy, half the bytes of this pass
+    ranked_by = scaled if (top_k or top_p) else logits
     if not draw:
-        tokens = torch.argmax(scaled, dim=1)
+        tokens = torch.argmax(ranked_by, dim=1)
     else:
         tokens = inverse_cdf(logprobs.exp(), uniforms)
         if greedy:
-            tokens = torch.where(is_greedy, torch.argmax(scaled, dim=1), tokens)
+            tokens = torch.where(is_greedy, torch.argmax(ranked_by, dim=1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

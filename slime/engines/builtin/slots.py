@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from slime.engines.builtin.sampling import sample_rows
+from slime.engines.builtin.sampling import sample, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+class _NoTruncatingGraph(Exception):
+    """The top-k/top-p sampler could not be captured: the step samples eagerly."""
 
 
 def _buckets(limit: int, start: int) -> list[int]:
@@ -129,6 +133,7 @@ class SlotDecoder:
         self._staging = [self._neutral.clone().pin_memory() if pin else self._neutral.clone() for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self.truncate_in_graph = True  # False once capturing the truncating sampler failed (then eager)
         self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
         self.length_buckets = _buckets(max_len, 128)
         # (batch bucket, length bucket, truncating sampler) -> graph and its outputs (logits, tokens, packed)
@@ -193,8 +198,14 @@ class SlotDecoder:
         (tokens [B] int64, [B, 2] float64 of each token and its log-prob), on the device, not waited for.
         `truncate`: some row has top_k or top_p set (the sampler then runs those passes). The tokens are
         a copy: the graph's own outputs change at its next replay."""
-        _, tokens, packed = self._launch(tokens, host, batch, truncate)
-        return tokens[:batch].clone(), packed[:batch]
+        try:
+            _, sampled, packed = self._launch(tokens, host, batch, truncate)
+        except _NoTruncatingGraph:  # sampled eagerly on the default graph's logits (same draws)
+            logits = self.decode(tokens, host, batch)
+            params = host[:4, :batch].clone()  # not the staging buffer itself: it is refilled two steps on
+            sampled, logprobs = sample(logits, params[0].float(), params[1].float(), params[2].long(), params[3])
+            return sampled, torch.stack([sampled.double(), logprobs.double()], dim=1)
+        return sampled[:batch].clone(), packed[:batch]
 
     def _launch(self, tokens: torch.Tensor, host: torch.Tensor, batch: int,
                 truncate: bool) -> tuple[torch.Tensor, ...]:
@@ -212,8 +223,15 @@ class SlotDecoder:
             self._capture_all()
         key = (bucket, length, truncate)
         if key not in self._graphs:  # the truncating sampler, first asked for at this (batch, length)
+            if not self.truncate_in_graph:
+                raise _NoTruncatingGraph
             start = time.perf_counter()
-            self._graphs[key] = self._capture(*key)
+            try:
+                self._graphs[key] = self._capture(*key)
+            except RuntimeError as exc:  # guard: such steps then sample eagerly, the engine keeps serving
+                logger.exception("capturing the top-k/top-p sampler failed; those steps sample eagerly")
+                self.truncate_in_graph = False
+                raise _NoTruncatingGraph from exc
             logger.info("captured the top-k/top-p decode graph %s in %.2f s", key[:2], time.perf_counter() - start)
         graph, outputs = self._graphs[key]
         graph.replay()
