@@ -150,9 +150,10 @@ def test_slot_decoder_samples_its_staged_rows_like_sample(tiny_kit, truncate):
     assert torch.allclose(packed[:, 1].float(), want[1], atol=1e-6, rtol=0)
 
 
-def test_slot_decoder_samples_eagerly_when_the_truncating_graph_is_missing(tiny_kit, monkeypatch):
-    """The guard for a top-k/top-p sampler that could not be captured: `decode_sample` then samples the
-    default graph's logits eagerly, with the same draws."""
+@pytest.mark.parametrize("why", ["no truncating graph", "--disable-graph-sampler"])
+def test_slot_decoder_samples_eagerly_when_the_truncating_graph_is_missing(tiny_kit, monkeypatch, why):
+    """The guard for a top-k/top-p sampler that could not be captured, and --disable-graph-sampler:
+    `decode_sample` then samples the default graph's logits eagerly, with the same draws."""
     from transformers import AutoModelForCausalLM
 
     from slime.engines.builtin import slots as slots_module
@@ -175,7 +176,15 @@ def test_slot_decoder_samples_eagerly_when_the_truncating_graph_is_missing(tiny_
                 raise slots_module._NoTruncatingGraph
             return launch(tokens, host, batch, truncate)
 
-        monkeypatch.setattr(decoder, "_launch", no_truncating_graph)
+        if why == "no truncating graph":
+            monkeypatch.setattr(decoder, "_launch", no_truncating_graph)
+        else:
+            decoder.graph_sampler = False
+            step = decoder._decode_and_sample
+            outputs = []
+            monkeypatch.setattr(decoder, "_decode_and_sample", lambda *args: outputs.append(step(*args)) or outputs[-1])
         got_tokens, got_packed = decoder.decode_sample(tokens, host, rows, truncate=True)
     assert torch.equal(got_tokens, want_tokens)
     assert torch.allclose(got_packed, want_packed, atol=1e-6, rtol=0)
+    if why != "no truncating graph":
+        assert [len(out) for out in outputs] == [1]  # the step only decoded: logits, no tokens

@@ -140,6 +140,7 @@ class Scheduler:
         cuda_graphs: bool = True,
         max_slot_len: int = 4096,
         overlap: bool = True,
+        graph_sampler: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -160,6 +161,7 @@ class Scheduler:
             self.context_length = min(self.context_length, max_slot_len)
         self.cuda_graphs = cuda_graphs
         self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
+        self.graph_sampler = graph_sampler  # slot mode on CUDA: sample inside the decode graph
         self._slots: SlotDecoder | None = None
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -623,7 +625,8 @@ class Scheduler:
         """Copy the prefilled rows' keys/values into the next free slots."""
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
-                                      device=self.device, cuda_graphs=self.cuda_graphs)
+                                      device=self.device, cuda_graphs=self.cuda_graphs,
+                                      graph_sampler=self.graph_sampler)
         old = self._batch or _SlotBatch([], new.next_tokens[:0], [])
         lengths = [len(r.input_ids) for r in new.requests]  # each prefilled row's valid columns, no device sync
         self._slots.write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=len(old.requests))

@@ -98,7 +98,7 @@ class SlotDecoder:
     """The slot cache of one model and its decode step (graph-captured on CUDA)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, graph_sampler: bool = True) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
@@ -133,6 +133,8 @@ class SlotDecoder:
         self._staging = [self._neutral.clone().pin_memory() if pin else self._neutral.clone() for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        # False: graphs decode only and `decode_sample` samples eagerly (--disable-graph-sampler)
+        self.graph_sampler = graph_sampler
         self.truncate_in_graph = True  # False once capturing the truncating sampler failed (then eager)
         self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
         self.length_buckets = _buckets(max_len, 128)
@@ -198,14 +200,21 @@ class SlotDecoder:
         (tokens [B] int64, [B, 2] float64 of each token and its log-prob), on the device, not waited for.
         `truncate`: some row has top_k or top_p set (the sampler then runs those passes). The tokens are
         a copy: the graph's own outputs change at its next replay."""
+        if not self.graph_sampler:
+            return self._sample_eagerly(tokens, host, batch)
         try:
             _, sampled, packed = self._launch(tokens, host, batch, truncate)
-        except _NoTruncatingGraph:  # sampled eagerly on the default graph's logits (same draws)
-            logits = self.decode(tokens, host, batch)
-            params = host[:4, :batch].clone()  # not the staging buffer itself: it is refilled two steps on
-            sampled, logprobs = sample(logits, params[0].float(), params[1].float(), params[2].long(), params[3])
-            return sampled, torch.stack([sampled.double(), logprobs.double()], dim=1)
+        except _NoTruncatingGraph:
+            return self._sample_eagerly(tokens, host, batch)
         return sampled[:batch].clone(), packed[:batch]
+
+    def _sample_eagerly(self, tokens: torch.Tensor, host: torch.Tensor,
+                        batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_sample` with `sample` run eagerly on the default graph's logits (the same draws)."""
+        logits = self.decode(tokens, host, batch)
+        params = host[:4, :batch].clone()  # not the staging buffer itself: it is refilled two steps on
+        sampled, logprobs = sample(logits, params[0].float(), params[1].float(), params[2].long(), params[3])
+        return sampled, torch.stack([sampled.double(), logprobs.double()], dim=1)
 
     def _launch(self, tokens: torch.Tensor, host: torch.Tensor, batch: int,
                 truncate: bool) -> tuple[torch.Tensor, ...]:
@@ -241,6 +250,8 @@ class SlotDecoder:
         """The captured step: decode, then sample with the staged inputs; (logits [B, V] in the model's
         dtype, tokens [B], [B, 2] float64 tokens and log-probs)."""
         logits = self._step(batch, length)
+        if not self.graph_sampler:
+            return (logits,)
         temperature, top_p, top_k, uniform, _ = self.inputs[:, :batch]
         tokens, logprobs = sample_rows(logits, temperature.float(), top_p.float(), top_k.long(), uniform,
                                        top_k=logits.shape[1] if truncate else 0, top_p=truncate)
