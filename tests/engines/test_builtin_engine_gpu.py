@@ -155,7 +155,11 @@ def test_cuda_greedy_top_k_and_top_p_requests_run_in_the_graph(tiny_kit):
             ids = torch.tensor([prompt + g["output_ids"]], device="cuda")
             with torch.no_grad():
                 logits = engine.model(ids).logits[0].float()
-            assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == g["output_ids"]
+            steps = logits[len(prompt) - 1 : -1]
+            top2 = steps.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # not a near-tie that fp32 rounding may flip
+            assert clear.any()
+            assert steps.argmax(-1)[clear].tolist() == torch.tensor(g["output_ids"], device="cuda")[clear].tolist()
         for prompt, out in zip(prompts, nucleus, strict=True):
             ids = torch.tensor([prompt + out["output_ids"]], device="cuda")
             with torch.no_grad():
