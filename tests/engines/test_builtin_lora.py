@@ -146,3 +146,31 @@ def test_adapter_checks_in_process(tiny_kit, adapters, tmp_path):
     ok = slot(target_modules=["all"])
     assert ok.load("a", adapters["mlp"])["success"]
     assert ok.unload("a")["success"]
+
+
+def test_host_twins_follow_a_full_weight_update(tiny_kit, adapters):
+    """The base copies kept across loads: an unload restores the base bit-exactly, the next load reuses them, and
+    a full weight update in between (allowed only while no adapter is merged) makes them stale, so the later
+    unload restores the new base, not the old one."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
+    slot = LoraAdapters(model, lambda fn: fn(), enabled=True, max_rank=None, target_modules=None,
+                        model_path=str(tiny_kit.model_dir))
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert slot.load("a", adapters["v1"])["success"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    merged = model.get_parameter(q).detach().clone()
+    assert not torch.equal(merged, base[q])
+    assert slot.unload("a")["success"]
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())
+    assert slot.load("b", adapters["v1"])["success"]  # the twins are reused: the same merge again
+    assert torch.equal(model.get_parameter(q), merged)
+    assert slot.unload("b")["success"]
+
+    slot.check_full_update()  # what the engine calls before it writes new weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    updated = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert slot.load("c", adapters["v1"])["success"]
+    assert slot.unload("c")["success"]
+    assert all(torch.equal(p, updated[n]) for n, p in model.named_parameters())
