@@ -161,8 +161,6 @@ def main() -> None:
                         help="the engine's KV cache (auto: slots with CUDA graphs on CUDA)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="engine: wait for each step's tokens before launching the next decode")
-    parser.add_argument("--disable-graph-sampler", action="store_true",
-                        help="engine: sample eagerly after the decode graph instead of inside it")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes sharing the requests (1: the benchmark's own event loop)")
     args = parser.parse_args()
@@ -186,8 +184,7 @@ def main() -> None:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),
                                             kv_cache=args.kv_cache,
-                                            extra_args=(["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
-                                            + (["--disable-graph-sampler"] if args.disable_graph_sampler else []))
+                                            extra_args=["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
         driver = HttpDriver(url, len(prompts), args.client_procs)
         try:
             engine_times, generate_times = [], []
@@ -210,8 +207,7 @@ def main() -> None:
 
         engine = BuiltinEngine(EngineArgs(model_path=args.model, device=args.device, dtype=args.dtype,
                                           max_running_requests=max(256, args.requests), kv_cache=args.kv_cache,
-                                          disable_overlap_schedule=args.disable_overlap_schedule,
-                                          disable_graph_sampler=args.disable_graph_sampler))
+                                          disable_overlap_schedule=args.disable_overlap_schedule))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
             scheduler = engine.scheduler

@@ -153,35 +153,3 @@ def test_overlapped_decoding_gives_the_same_tokens_and_logprobs(engine, tiny_kit
         assert a["output_ids"] == b["output_ids"] == c["output_ids"]
         for x, y, z in zip(*(r["meta_info"]["output_token_logprobs"] for r in (a, b, c)), strict=True):
             assert x[0] == pytest.approx(y[0], abs=1e-6) and x[0] == pytest.approx(z[0], abs=1e-6)
-
-
-def test_sampling_inside_the_step_gives_what_eager_sampling_gave(engine, tiny_kit):
-    """The slot step that samples with staged per-row inputs (the CUDA graph's code, eager on CPU),
-    launched ahead and discarded by commands, draws exactly what the eager sampler after a plain
-    decode draws (`--disable-graph-sampler --disable-overlap-schedule`: the previous placement), for
-    a batch mixing greedy, temperature, top-k, top-p and min_new_tokens rows that leave at different
-    steps."""
-    eager = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=3, kv_cache="slots",
-                                     disable_overlap_schedule=True, disable_graph_sampler=True))
-    mixes = [{"temperature": 0}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8, "temperature": 1.2},
-             {"top_k": 3, "top_p": 0.9}, {"min_new_tokens": 9, "ignore_eos": False}, {}]
-    bodies = [{"input_ids": [5 + i, 9, 11 + i], "return_logprob": True,
-               "sampling_params": {"max_new_tokens": 10 + 4 * i, "sampling_seed": 70 + i, "ignore_eos": True,
-                                   **mix}} for i, mix in enumerate(mixes)]
-
-    async def go(eng, commands: bool):
-        replies = asyncio.ensure_future(asyncio.gather(*[eng.generate(b) for b in bodies]))
-        while commands and not replies.done():  # each command discards the step launched ahead
-            await asyncio.wrap_future(eng.scheduler.run_command(lambda: None))
-        return await replies
-
-    try:
-        want = asyncio.run(go(eager, False))
-        got, interrupted = asyncio.run(go(engine, False)), asyncio.run(go(engine, True))
-    finally:
-        eager.shutdown()
-    for a, b, c in zip(want, got, interrupted, strict=True):
-        assert a["output_ids"] == b["output_ids"] == c["output_ids"]
-        for x, y, z in zip(*(r["meta_info"]["output_token_logprobs"] for r in (a, b, c)), strict=True):
-            assert x[0] == pytest.approx(y[0], abs=1e-6) and x[0] == pytest.approx(z[0], abs=1e-6)
-    assert len(want[5]["output_ids"]) >= 9

@@ -62,7 +62,6 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
-    disable_graph_sampler: bool = False  # slot mode: sample eagerly after the graph, not inside it
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
@@ -100,7 +99,7 @@ class BuiltinEngine:
             self.model, self.tokenizer, device=self.device, seed=args.random_seed,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
-            overlap=not args.disable_overlap_schedule, graph_sampler=not args.disable_graph_sampler,
+            overlap=not args.disable_overlap_schedule,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided

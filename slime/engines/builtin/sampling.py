@@ -125,60 +125,25 @@ def sample(
         logits: [B, V] float32, already masked where tokens are banned (min_new_tokens).
         temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off).
         uniforms: [B] float64 in [0, 1), one per row, from each request's own random stream.
-    The four parameter tensors may live on the host: then deciding which passes of `sample_rows`
-    can be skipped costs no device synchronisation, and they are copied to the logits' device here.
+    The four parameter tensors may live on the host: then deciding whether top-k / top-p apply
+    costs no device synchronisation, and they are copied to the logits' device here.
     """
     vocab = logits.shape[1]
-    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
-    top_k = int(k.max()) if bool(((top_ks > 0) & (top_ks < vocab)).any()) else 0
-    top_p = bool((top_ps < 1).any())
+    top_k_on = bool(((top_ks > 0) & (top_ks < vocab)).any())
+    top_p_on = bool((top_ps < 1).any())
     # decided on the host too: skip the passes over [B, V] that change nothing (RL samples at T = 1)
     any_greedy, all_greedy = bool((temperatures == 0).any()), bool((temperatures == 0).all())
-    scale = not bool((temperatures == 1).all())
+    unscaled = bool((temperatures == 1).all())
     temperatures, top_ps, top_ks, uniforms = (t.to(logits.device, non_blocking=True)
                                               for t in (temperatures, top_ps, top_ks, uniforms))
-    return sample_rows(logits, temperatures, top_ps, top_ks, uniforms, scale=scale, top_k=top_k, top_p=top_p,
-                       greedy=any_greedy, draw=not all_greedy)
-
-
-def sample_rows(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: torch.Tensor,
-    top_ks: torch.Tensor,
-    uniforms: torch.Tensor,
-    *,
-    scale: bool = True,
-    top_k: int = 0,
-    top_p: bool = True,
-    greedy: bool = True,
-    draw: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's math, with no host synchronisation and no branch on tensor values, so it also runs
-    inside a captured CUDA graph (`slots.SlotDecoder`, on static parameter buffers); `sample` calls it
-    eagerly. Tensors on the logits' device; `logits` [B, V] float32 or the model's dtype (it is promoted
-    to float32 by the temperature division, exactly as `.float()` would).
-
-    The keyword flags only skip passes that change nothing for the rows at hand, so any setting that
-    covers the rows gives the same tokens and log-probs as all passes on: `scale` (False only when
-    every temperature is 1), `top_k` (0 = no row truncates by top-k, else a width >= every row's k:
-    the k-th largest value is read from `topk` of that width, or from a full sort at the vocabulary's
-    width), `top_p` (False when every top_p is 1), `greedy` (False when no temperature is 0), `draw`
-    (False when every temperature is 0).
-    """
-    vocab = logits.shape[1]
-    is_greedy = temperatures == 0
-    if scale:
-        scaled = logits / torch.where(is_greedy, torch.ones_like(temperatures), temperatures).unsqueeze(1)
-    else:
-        scaled = logits.float()
-    if top_k:
-        k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
-        ranked = (torch.sort(scaled, dim=1, descending=True).values if top_k >= vocab
-                  else torch.topk(scaled, top_k, dim=1).values)
-        kth = ranked.gather(1, (k - 1).unsqueeze(1))
+    greedy = temperatures == 0
+    scaled = logits if unscaled else logits / torch.where(greedy, torch.ones_like(temperatures),
+                                                          temperatures).unsqueeze(1)
+    k = torch.where(top_ks > 0, top_ks.clamp(max=vocab), torch.full_like(top_ks, vocab))
+    if top_k_on:
+        kth = torch.topk(scaled, int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p:
+    if top_p_on:
         sorted_logits, order = torch.sort(scaled, dim=1, descending=True)
         probs = torch.softmax(sorted_logits, dim=1)
         # drop a token when the mass strictly before it already reaches top_p (the top one always stays)
@@ -186,15 +151,12 @@ def sample_rows(
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop & (top_ps < 1).unsqueeze(1), float("-inf"))
     logprobs = torch.log_softmax(scaled, dim=1)
-    # greedy rows are divided by 1, so without truncation their argmax is the logits' own: read the
-    # model's (bf16) logits instead of the float32 copy, half the bytes of this pass
-    ranked_by = scaled if (top_k or top_p) else logits
-    if not draw:
-        tokens = torch.argmax(ranked_by, dim=1)
+    if all_greedy:
+        tokens = torch.argmax(scaled, dim=1)
     else:
         tokens = inverse_cdf(logprobs.exp(), uniforms)
-        if greedy:
-            tokens = torch.where(is_greedy, torch.argmax(ranked_by, dim=1), tokens)
+        if any_greedy:
+            tokens = torch.where(greedy, torch.argmax(scaled, dim=1), tokens)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

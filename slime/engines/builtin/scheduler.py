@@ -11,10 +11,8 @@ padding in every row are trimmed. Any `transformers` causal LM works, since only
 With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) prompts are prefilled the
 same way, but decoding runs on a preallocated per-request slot cache with a graph-captured step
 (`slots.py`); rows then never move except when a finished row's slot is refilled by the last one.
-There each step is one launch that decodes and samples (`SlotDecoder.decode_sample`: parameters and
-uniforms staged on the host, tokens and log-probs copied back), and the next step is launched before
-the host has the current step's tokens (`_decode_slots`), so the GPU computes while the host records
-tokens and answers finished requests.
+There the next decode is launched before the host has the current step's tokens (`_decode_slots`),
+so the GPU computes while the host records tokens and answers finished requests.
 
 Control commands (weight updates, cache flush, memory release) run on the model thread between
 steps, so they never race a forward pass. `pause()` stops stepping without touching running
@@ -40,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
-from slime.engines.builtin.slots import INPUT_ROWS, SlotDecoder, slot_support
+from slime.engines.builtin.slots import SlotDecoder, slot_support
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +65,6 @@ class Request:
     # per-token fast check of `_choose`; `_check_stop` decides)
     stop_ids: frozenset[int] = frozenset()
     limit: int = 0
-    # a uniform drawn for a slot step that was launched ahead and then discarded: the next draw reuses
-    # it, so the request's samples do not depend on commands between steps (`Scheduler._uniform`)
-    held_uniform: float | None = None
 
 
 @dataclass
@@ -83,31 +78,15 @@ class _Batch:
 
 
 @dataclass
-class _Launched:
-    """A slot step on the device: decoded and sampled, its results on their way to the host."""
-
-    fetch: Callable[[], tuple[list[int], list[float]]]  # waits: tokens and log-probs in launch row order
-    fed: torch.Tensor  # [B] the tokens it fed (fed again if it is discarded)
-    uniforms: list[float]  # drawn for it, in launch row order (drawn again if it is discarded)
-    rows: list[int] | None = None  # launch rows still running, in today's row order (after compaction)
-
-    def results(self) -> tuple[list[int], list[float]]:
-        tokens, logprobs = self.fetch()
-        if self.rows is None:
-            return tokens, logprobs
-        return [tokens[i] for i in self.rows], [logprobs[i] for i in self.rows]
-
-
-@dataclass
 class _SlotBatch:
     """Running rows in slot mode: row i is slot i and holds `lengths[i]` tokens."""
 
     requests: list[Request]
-    next_tokens: torch.Tensor  # [B] on the device
+    next_tokens: torch.Tensor  # [B]
     lengths: list[int]
-    # the step already launched with the previous `next_tokens` (its sampled tokens are `next_tokens`
-    # now and `lengths` counts them), whose results the host has not taken yet: `Scheduler._decode_slots`
-    pending: _Launched | None = None
+    # logits [B, V] of the decode already launched with `next_tokens` (whose positions `lengths`
+    # already counts), or None: see `Scheduler._decode_slots`
+    pending: torch.Tensor | None = None
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -140,7 +119,6 @@ class Scheduler:
         cuda_graphs: bool = True,
         max_slot_len: int = 4096,
         overlap: bool = True,
-        graph_sampler: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -161,7 +139,6 @@ class Scheduler:
             self.context_length = min(self.context_length, max_slot_len)
         self.cuda_graphs = cuda_graphs
         self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
-        self.graph_sampler = graph_sampler  # slot mode on CUDA: sample inside the decode graph
         self._slots: SlotDecoder | None = None
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
@@ -453,83 +430,33 @@ class Scheduler:
         batch.next_tokens = self._choose(batch.requests, logits)
 
     def _decode_slots(self, batch: _SlotBatch) -> None:
-        """One slot-cache step, overlapped with the host: each launch decodes and samples on the device
-        (`_launch_slots`), and the next step is launched before this step's tokens reach the host (its
-        sampled tokens stay on the device and feed it), so the GPU is not idle while the host records
-        this step (stop checks, replies). Rows that finish now were decoded once more for nothing; their
-        results are dropped with them (`_compact_slots`). Nothing is launched ahead while requests wait
-        to join (their rows would lack the step launched ahead)."""
-        current = batch.pending if batch.pending is not None else self._launch_slots(batch, ahead=0)
-        batch.pending = None
-        if self.overlap and not self._waiting and self._inbox.empty():
-            batch.pending = self._launch_slots(batch, ahead=1)
-            self.decodes_ahead += 1
-        self._record(batch.requests, *current.results())
-
-    def _launch_slots(self, batch: _SlotBatch, ahead: int) -> _Launched:
-        """Stage every row's sampling parameters, uniform and position in the decoder's host buffer and
-        launch one decode + sample step (`SlotDecoder.decode_sample`); `ahead` tokens of each row are
-        on the device but not recorded yet (they count towards min_new_tokens). Rows that must not
-        draw a stop token yet (min_new_tokens) make the step take the decoder's logits and the eager
-        sampler instead, with those tokens masked."""
-        requests, size, slots = batch.requests, len(batch.requests), self._slots
-        host = slots.stage()
-        staged = host.numpy()
-        uniforms = [self._uniform(r) for r in requests]
-        for name, values in (("temperature", [r.params.temperature for r in requests]),
-                             ("top_p", [r.params.top_p for r in requests]),
-                             ("top_k", [r.params.top_k for r in requests]),
-                             ("uniform", uniforms), ("position", batch.lengths)):
-            staged[INPUT_ROWS.index(name), :size] = values
-        fed = batch.next_tokens
-        banned = [(row, ids) for row, r in enumerate(requests) if (ids := self._banned(r, ahead))]
-        if banned:
-            logits = slots.decode(fed, host, size)
-            for row, ids in banned:
-                logits[row, ids] = float("-inf")
-            params = host[:4, :size].clone()
-            tokens, logprobs = sample(logits, params[0].float(), params[1].float(), params[2].long(), params[3])
-            packed = torch.stack([tokens.double(), logprobs.double()], dim=1)
+        """One slot-cache step, overlapped with the host: the sampled tokens stay on the device and
+        feed the next decode, launched before this step's tokens reach the host; its logits wait in
+        `batch.pending` while the host records this step (stop checks, replies), so the GPU is not
+        idle during that bookkeeping. Rows that finish now were decoded once more for nothing; their
+        pending rows are dropped with them (`_compact_slots`). Nothing is launched ahead while
+        requests wait to join (their rows would lack pending logits)."""
+        if batch.pending is not None:
+            logits, batch.pending = batch.pending, None
         else:
-            vocab = self.model.config.vocab_size
-            truncate = any(r.params.top_p < 1 or 0 < r.params.top_k < vocab for r in requests)
-            tokens, packed = slots.decode_sample(fed, host, size, truncate)
+            logits = self._slots.decode(batch.next_tokens, batch.lengths)
+            batch.lengths = [n + 1 for n in batch.lengths]
+        tokens, logprobs = self._sample(batch.requests, logits)
         batch.next_tokens = tokens
-        batch.lengths = [n + 1 for n in batch.lengths]
-        fetch = self._copy_to_host(packed)  # before any later launch: not waited for
-
-        def results() -> tuple[list[int], list[float]]:
-            (rows,) = fetch()
-            return [int(token) for token, _ in rows], [logprob for _, logprob in rows]
-
-        return _Launched(results, fed, uniforms)
+        fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
+        if self.overlap and not self._waiting and self._inbox.empty():
+            batch.pending = self._slots.decode(tokens, batch.lengths)
+            batch.lengths = [n + 1 for n in batch.lengths]
+            self.decodes_ahead += 1
+        self._record(batch.requests, *fetch())
 
     def _discard_pending(self) -> None:
-        """Forget the step launched ahead: the next step feeds the same tokens at the same positions
-        again (rewriting the same cache entries), with the same uniforms."""
+        """Forget the decode launched ahead: the next step feeds the same tokens at the same
+        positions again (rewriting the same cache entries)."""
         batch = self._batch
         if isinstance(batch, _SlotBatch) and batch.pending is not None:
-            launched, batch.pending = batch.pending, None
-            rows = launched.rows if launched.rows is not None else range(len(launched.uniforms))
-            for request, row in zip(batch.requests, rows, strict=True):
-                request.held_uniform = launched.uniforms[row]
-            batch.next_tokens = launched.fed
+            batch.pending = None
             batch.lengths = [n - 1 for n in batch.lengths]
-
-    def _uniform(self, request: Request) -> float:
-        """The next uniform of the request's own stream (a held one first: see `Request.held_uniform`)."""
-        if request.held_uniform is not None:
-            value, request.held_uniform = request.held_uniform, None
-            return value
-        return request.rng.random()
-
-    def _banned(self, request: Request, ahead: int = 0) -> list[int]:
-        """Tokens the request may not draw at its next step: its stop tokens until min_new_tokens are
-        out (`ahead` of them drawn but not recorded yet)."""
-        params = request.params
-        if len(request.output_ids) + ahead >= params.min_new_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
 
     def _choose(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Sample the next token of every row that is still running and record it."""
@@ -540,16 +467,17 @@ class Scheduler:
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch the sampler: tokens and their log-probs, on the logits' device (no host sync)."""
         for row, request in enumerate(requests):
-            banned = self._banned(request)
-            if banned:
-                logits[row, banned] = float("-inf")
+            if len(request.output_ids) < request.params.min_new_tokens:
+                banned = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else list(self.eos_ids))
+                if banned:
+                    logits[row, banned] = float("-inf")
         p = [r.params for r in requests]
         tokens, logprobs = sample(  # parameters built on the host: `sample` moves them without a sync
             logits,
             torch.tensor([x.temperature for x in p], dtype=torch.float32),
             torch.tensor([x.top_p for x in p], dtype=torch.float32),
             torch.tensor([x.top_k for x in p], dtype=torch.long),
-            torch.tensor([self._uniform(r) for r in requests], dtype=torch.float64),
+            torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
         )
         return tokens, logprobs
 
@@ -625,10 +553,9 @@ class Scheduler:
         """Copy the prefilled rows' keys/values into the next free slots."""
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
-                                      device=self.device, cuda_graphs=self.cuda_graphs,
-                                      graph_sampler=self.graph_sampler)
+                                      device=self.device, cuda_graphs=self.cuda_graphs)
         old = self._batch or _SlotBatch([], new.next_tokens[:0], [])
-        lengths = [len(r.input_ids) for r in new.requests]  # each prefilled row's valid columns, no device sync
+        lengths = [int(n) for n in new.mask.sum(dim=1).tolist()]
         self._slots.write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=len(old.requests))
         # the first sampled token is fed next, at position `length` of its slot
         self._batch = _SlotBatch(old.requests + new.requests, torch.cat([old.next_tokens, new.next_tokens]),
@@ -674,13 +601,10 @@ class Scheduler:
         order = order[:size]
         batch.requests = [batch.requests[i] for i in order]
         batch.lengths = [batch.lengths[i] for i in order]
-        # a pinned copy that does not wait for the step launched ahead (a plain one synchronises)
-        order_index = _on_device(order, self.device)
+        order_index = torch.tensor(order, device=self.device)
         batch.next_tokens = batch.next_tokens.index_select(0, order_index)
-        if batch.pending is not None:  # its rows follow the requests: the ones kept, in their new order
-            launched = batch.pending
-            launched.rows = order if launched.rows is None else [launched.rows[i] for i in order]
-            launched.fed = launched.fed.index_select(0, order_index)
+        if batch.pending is not None:
+            batch.pending = batch.pending.index_select(0, order_index)
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason
@@ -701,14 +625,6 @@ class Scheduler:
 
     def _fail(self, request: Request, exc: Exception) -> None:
         request.loop.call_soon_threadsafe(_reject, request.done, exc)
-
-
-def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of `values` on `device`, copied from pinned memory without a synchronisation."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _resolve_all(requests: list[Request]) -> None:

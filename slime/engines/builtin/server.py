@@ -227,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-cuda-graph", action="store_true", help="slot mode: decode eagerly")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="slot mode: do not launch the next decode before the host has this step's tokens")
-    parser.add_argument("--disable-graph-sampler", action="store_true",
-                        help="slot mode on CUDA: sample eagerly on the decode graph's logits instead of inside it")
     parser.add_argument("--max-slot-tokens", type=int, default=4096,
                         help="slot mode: the most tokens (prompt + new) one request may hold")
     parser.add_argument("--mem-fraction-static", type=float,

@@ -23,16 +23,6 @@ microseconds whatever its work: the eager modules launch ~40 per layer (an RMSNo
 elementwise kernels). On CUDA the elementwise pieces (residual add + RMSNorm, rotary embedding,
 SiLU x up) are therefore `torch.compile`d once, with dynamic shapes, into one kernel each before the
 graphs are captured (same formulas as the `transformers` modules; `fuse=False` keeps the modules).
-
-Each step also samples (`decode_sample`): the graph ends with `sampling.sample_rows` on its logits,
-reading every row's temperature, top_p, top_k, uniform number and position from one static input
-buffer that the scheduler stages in pinned host memory (`stage`) and that is copied to the device in
-one transfer per step, and writing tokens and log-probs to static outputs: a step is one copy in,
-one replay and one small copy out, with no host synchronisation. Which passes the sampler runs is
-fixed per graph: the default graphs cover temperature (greedy rows included) without truncation;
-the first step with a row asking for top-k or top-p captures the (batch, length) graph that also
-truncates (a full sort), once. Rows whose banned tokens must be masked (min_new_tokens) take
-`decode` instead: logits out of the same graph, sampled eagerly.
 """
 
 from __future__ import annotations
@@ -46,16 +36,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from slime.engines.builtin.sampling import sample, sample_rows
-
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-# The per-row inputs of a step, one float64 row each of the staged buffer (exact for every value: the
-# float32 parameters, top_k and positions as integers, the float64 uniform), and their values for
-# rows past the running batch (free slots: position 0, never read).
-INPUT_ROWS = ("temperature", "top_p", "top_k", "uniform", "position")
-_NEUTRAL = (1.0, 1.0, -1.0, 0.5, 0.0)
 
 
 def slot_support(model: Any) -> str | None:
@@ -82,10 +65,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class _NoTruncatingGraph(Exception):
-    """The top-k/top-p sampler could not be captured: the step samples eagerly."""
-
-
 def _buckets(limit: int, start: int) -> list[int]:
     sizes, size = [], start
     while size < limit:
@@ -98,7 +77,7 @@ class SlotDecoder:
     """The slot cache of one model and its decode step (graph-captured on CUDA)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
-                 fuse: bool = True, graph_sampler: bool = True) -> None:
+                 fuse: bool = True) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
@@ -126,20 +105,10 @@ class SlotDecoder:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # the token each row feeds
-        # per row: INPUT_ROWS (sampling parameters, uniform, the position the token goes to in its slot)
-        self._neutral = torch.tensor(_NEUTRAL, dtype=torch.float64).unsqueeze(1).expand(-1, slots).contiguous()
-        self.inputs = self._neutral.to(device, copy=True)
-        pin = self.cuda_graphs  # pinned: the copy in does not wait for the device
-        self._staging = [self._neutral.clone().pin_memory() if pin else self._neutral.clone() for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-        # False: graphs decode only and `decode_sample` samples eagerly (--disable-graph-sampler)
-        self.graph_sampler = graph_sampler
-        self.truncate_in_graph = True  # False once capturing the truncating sampler failed (then eager)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where it goes in its slot
         self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
         self.length_buckets = _buckets(max_len, 128)
-        # (batch bucket, length bucket, truncating sampler) -> graph and its outputs (logits, tokens, packed)
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * self.keys[0].element_size()
         logger.info("slot KV cache: %d slots x %d tokens (%.2f GiB)%s", slots, max_len,
@@ -175,110 +144,45 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------ decode
 
-    def stage(self) -> torch.Tensor:
-        """The host buffer [len(INPUT_ROWS), slots] (float64) for the next step's inputs, set to the
-        neutral values: fill the running rows' columns, then pass it to `decode` / `decode_sample`.
-        Two buffers alternate (pinned on CUDA, so the copy does not wait for the device), and one is
-        handed out again only once its last copy has run: the host may stage a step while the one
-        before it still waits on the device."""
-        self._turn ^= 1
-        copied = self._copied[self._turn]
-        if copied is not None:
-            copied.synchronize()
-        host = self._staging[self._turn]
-        host.copy_(self._neutral)
-        return host
-
-    def decode(self, tokens: torch.Tensor, host: torch.Tensor, batch: int) -> torch.Tensor:
-        """Logits [B, V] (float32) for feeding `tokens[i]` to slot i (i < B) at the position staged in
-        `host` (from `stage`). On CUDA the graph also samples (parameters from `host`); that is unused."""
-        return self._launch(tokens, host, batch, truncate=False)[0][:batch].float()
-
-    def decode_sample(self, tokens: torch.Tensor, host: torch.Tensor, batch: int,
-                      truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode as `decode` and sample every row with the parameters and uniform staged in `host`:
-        (tokens [B] int64, [B, 2] float64 of each token and its log-prob), on the device, not waited for.
-        `truncate`: some row has top_k or top_p set (the sampler then runs those passes). The tokens are
-        a copy: the graph's own outputs change at its next replay."""
-        if not self.graph_sampler:
-            return self._sample_eagerly(tokens, host, batch)
-        try:
-            _, sampled, packed = self._launch(tokens, host, batch, truncate)
-        except _NoTruncatingGraph:
-            return self._sample_eagerly(tokens, host, batch)
-        return sampled[:batch].clone(), packed[:batch]
-
-    def _sample_eagerly(self, tokens: torch.Tensor, host: torch.Tensor,
-                        batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_sample` with `sample` run eagerly on the default graph's logits (the same draws)."""
-        logits = self.decode(tokens, host, batch)
-        params = host[:4, :batch].clone()  # not the staging buffer itself: it is refilled two steps on
-        sampled, logprobs = sample(logits, params[0].float(), params[1].float(), params[2].long(), params[3])
-        return sampled, torch.stack([sampled.double(), logprobs.double()], dim=1)
-
-    def _launch(self, tokens: torch.Tensor, host: torch.Tensor, batch: int,
-                truncate: bool) -> tuple[torch.Tensor, ...]:
-        longest = int(host[INPUT_ROWS.index("position"), :batch].max())
-        length = next(b for b in self.length_buckets if b > longest)
-        self.tokens[:batch] = tokens  # rows past B keep stale ids: valid tokens, computed on free slots
-        self.inputs.copy_(host, non_blocking=True)
+    def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] (float32) for feeding `tokens[i]` at `positions[i]` of slot i, i < B."""
+        batch = len(positions)
+        length = next(b for b in self.length_buckets if b > max(positions))
+        self.tokens[:batch] = tokens
+        self.positions[:batch] = torch.tensor(positions, dtype=torch.long)
         if not self.cuda_graphs:
-            return self._decode_and_sample(batch, length, truncate)
-        copied = torch.cuda.Event()
-        copied.record()
-        self._copied[self._turn] = copied
+            return self._step(batch, length).float()
         bucket = next(b for b in self.batch_buckets if b >= batch)
+        self.tokens[batch:] = 0
+        self.positions[batch:] = 0  # free slots: their writes land at position 0 and are never read
         if not self._graphs:
             self._capture_all()
-        key = (bucket, length, truncate)
-        if key not in self._graphs:  # the truncating sampler, first asked for at this (batch, length)
-            if not self.truncate_in_graph:
-                raise _NoTruncatingGraph
-            start = time.perf_counter()
-            try:
-                self._graphs[key] = self._capture(*key)
-            except RuntimeError as exc:  # guard: such steps then sample eagerly, the engine keeps serving
-                logger.exception("capturing the top-k/top-p sampler failed; those steps sample eagerly")
-                self.truncate_in_graph = False
-                raise _NoTruncatingGraph from exc
-            logger.info("captured the top-k/top-p decode graph %s in %.2f s", key[:2], time.perf_counter() - start)
-        graph, outputs = self._graphs[key]
+        graph, logits = self._graphs[(bucket, length)]
         graph.replay()
-        return outputs
-
-    def _decode_and_sample(self, batch: int, length: int, truncate: bool) -> tuple[torch.Tensor, ...]:
-        """The captured step: decode, then sample with the staged inputs; (logits [B, V] in the model's
-        dtype, tokens [B], [B, 2] float64 tokens and log-probs)."""
-        logits = self._step(batch, length)
-        if not self.graph_sampler:
-            return (logits,)
-        temperature, top_p, top_k, uniform, _ = self.inputs[:, :batch]
-        tokens, logprobs = sample_rows(logits, temperature.float(), top_p.float(), top_k.long(), uniform,
-                                       top_k=logits.shape[1] if truncate else 0, top_p=truncate)
-        return logits, tokens, torch.stack([tokens.double(), logprobs.double()], dim=1)
+        return logits[:batch].float()
 
     def _capture_all(self) -> None:
-        """Capture every (batch bucket, length bucket) graph of the default sampler at the first decode,
-        largest first (they share one memory pool), so that no capture stalls a later step. Captures
-        run the step on the current inputs; rows past the running batch compute on free slots, whose
-        contents do not matter, and running rows rewrite the same key/value, so they are harmless."""
+        """Capture every (batch bucket, length bucket) graph at the first decode, largest first (they
+        share one memory pool), so that no capture stalls a later step. Captures run the step on the
+        current inputs; rows past the running batch compute on free slots, whose contents do not
+        matter, and running rows rewrite the same key/value, so they are harmless."""
         start = time.perf_counter()
         for batch in reversed(self.batch_buckets):
             for length in reversed(self.length_buckets):
-                self._graphs[(batch, length, False)] = self._capture(batch, length, False)
+                self._graphs[(batch, length)] = self._capture(batch, length)
         logger.info("captured %d decode graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
-    def _capture(self, batch: int, length: int, truncate: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernel selection)
-            self._decode_and_sample(batch, length, truncate)
+            self._step(batch, length)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._decode_and_sample(batch, length, truncate)
+            logits = self._step(batch, length)
         self._pool = graph.pool()
-        return graph, outputs
+        return graph, logits
 
     def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
@@ -293,7 +197,7 @@ class SlotDecoder:
 
     def _step(self, batch: int, length: int) -> torch.Tensor:
         model = self.model.model
-        tokens, positions = self.tokens[:batch], self.inputs[INPUT_ROWS.index("position"), :batch].long()
+        tokens, positions = self.tokens[:batch], self.positions[:batch]
         rows = torch.arange(batch, device=self.device)
         hidden = model.embed_tokens(tokens.unsqueeze(1))  # [B, 1, H]: the residual stream
         cos, sin = model.rotary_emb(hidden, positions.unsqueeze(1))
