@@ -1,6 +1,7 @@
 """The built-in engine on CUDA (run on a GPU machine: pytest -m gpu)."""
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -53,11 +54,17 @@ def test_cuda_memory_budget_caps_the_engine_and_sizes_its_slots(tiny_kit):
 
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
+    # the budget counts this process's allocations, and earlier tests in this process may still hold some (the
+    # H100 run of 2026-11-25 found 1.2 GiB): the 160 MiB part is on top of what is held before the engine starts
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     total = torch.cuda.get_device_properties(0).total_memory
-    fraction = 160 * 2**20 / total
-    engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), device="cuda", dtype="bfloat16",
-                                      kv_cache="slots", mem_fraction_static=fraction))
-    try:
+    fraction = (torch.cuda.memory_allocated() + 160 * 2**20) / total
+    engine = None
+    try:  # the cap is process-wide: lifted in `finally` even when the engine refuses to start
+        engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), device="cuda", dtype="bfloat16",
+                                          kv_cache="slots", mem_fraction_static=fraction))
         decided = engine.memory_budget
         per_slot = slot_bytes(engine.model, engine.scheduler.context_length)
         assert decided["slots"] == engine.scheduler.max_running_requests < 256
@@ -74,5 +81,6 @@ def test_cuda_memory_budget_caps_the_engine_and_sizes_its_slots(tiny_kit):
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(decided["budget_bytes"], dtype=torch.uint8, device="cuda")
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         torch.cuda.set_per_process_memory_fraction(1.0)
