@@ -23,9 +23,9 @@ def test_trainer_flags_change_what_the_rank_does(tiny_kit, tmp_path):
     assert chunked["chunk_widths"] == [2] and chunked["whole_widths"] == [4] and chunked["gap"] == 0.0
     plain, recomputed = rows["recompute"]["plain"], rows["recompute"]["recomputed"]
     assert recomputed["loss"] == plain["loss"] and recomputed["grad_norm"] == plain["grad_norm"], rows["recompute"]
-    # chunk 2 over 4 response positions, log-prob and entropy: 4 log-softmaxes per micro-batch's scoring;
-    # recomputed: each scoring runs again in the backward pass
-    assert plain["scorings"] == 4 * plain["microbatches"] and recomputed["scorings"] == 2 * plain["scorings"]
+    # chunk 2 over 4 response positions: 2 normalisers (logsumexp) per micro-batch's scoring, each giving the
+    # log-probs and the entropies of its chunk; recomputed: each scoring runs again in the backward pass
+    assert plain["scorings"] == 2 * plain["microbatches"] and recomputed["scorings"] == 2 * plain["scorings"]
     files = rows["traces"]["files"]
     assert any(f.startswith("train_actor_rank_0.") and f.endswith(".pt.trace.json.gz") for f in files), files
     assert any(f.startswith("train_log_probs_rank_0.") for f in files), files

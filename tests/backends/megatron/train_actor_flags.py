@@ -60,21 +60,22 @@ def trainer(model_dir: str, work: Path) -> None:
                           "correct_p25": m["rollout/correct_length/p25"],
                           "correct_p100": m["rollout/correct_length/p100"],
                           "correct_entropy": m["rollout/correct_entropy"]}), flush=True)
-    # the chunked pass scores 2 response positions per softmax and gives the unchunked values
+    # the chunked pass scores 2 response positions per normaliser (logsumexp over the vocabulary) and gives the
+    # unchunked values
     samples = read_samples(str(work / "rollout0"))
     widths: list[int] = []
-    log_softmax = torch.log_softmax
+    logsumexp = torch.logsumexp
 
     def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         widths.append(x.shape[1])
-        return log_softmax(x, *args, **kwargs)
+        return logsumexp(x, *args, **kwargs)
 
     kwargs = dict(vocab_size=actor.bridge.hf_config.vocab_size, micro_batch_size=8)
-    torch.log_softmax = spy
+    torch.logsumexp = spy
     chunked = compute_log_probs(actor.models, samples, chunk_size=2, **kwargs).log_probs
     chunked_widths, widths[:] = sorted(set(widths)), []
     whole = compute_log_probs(actor.models, samples, **kwargs).log_probs
-    torch.log_softmax = log_softmax
+    torch.logsumexp = logsumexp
     gap = max(float((a - b).abs().max()) for a, b in zip(chunked, whole, strict=True))
     print(json.dumps({"case": "chunked", "chunk_widths": chunked_widths, "whole_widths": sorted(set(widths)),
                       "gap": gap}), flush=True)
@@ -84,12 +85,12 @@ def trainer(model_dir: str, work: Path) -> None:
     steps = {}
     for recompute in (False, True):
         calls: list[int] = []
-        torch.log_softmax = lambda x, *a, calls=calls, **k: calls.append(1) or log_softmax(x, *a, **k)
+        torch.logsumexp = lambda x, *a, calls=calls, **k: calls.append(1) or logsumexp(x, *a, **k)
         settings = StepSettings.from_config(config)
         settings.recompute_loss_function, settings.use_kl_loss = recompute, False
         m = train_step(actor.models, actor.optimizer, samples, settings, vocab_size=kwargs["vocab_size"],
                        arrays=TrainArrays(advantages=[0.5] * len(samples)))
-        torch.log_softmax = log_softmax
+        torch.logsumexp = logsumexp
         steps[recompute] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "scorings": len(calls),
                             "microbatches": m["num_microbatches"]}
     print(json.dumps({"case": "recompute", "plain": steps[False], "recomputed": steps[True]}), flush=True)
