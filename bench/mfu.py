@@ -1,4 +1,5 @@
-"""The MFU accounting shared by bench/train_step.py and bench/torch_reference.py (one formula, two scripts).
+"""What bench/train_step.py and bench/torch_reference.py share: the MFU accounting (one formula, two scripts)
+and the arguments that name the measured step, so both measure the same thing from the same command line.
 
 A trained token costs 6 x params FLOPs (forward 2N, backward 4N; params counts a tied embedding once:
 it is the output layer's matmul), plus the causal attention matmuls, 6 x layers x seq x hidden (half of
@@ -9,7 +10,22 @@ not HFU). Peak is H100 dense bf16, 989 TFLOP/s, unless the caller says otherwise
 
 from __future__ import annotations
 
+import argparse
+
+from slime.data.random_models import QWEN2_SHAPES
+
 H100_BF16_TFLOPS = 989.0
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shape, batch and timing arguments of a train-step benchmark."""
+    parser.add_argument("--model", choices=sorted(QWEN2_SHAPES), default="0.5b")
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024])
+    parser.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="H100 dense bf16")
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq: int,

@@ -40,20 +40,14 @@ import time
 from typing import Any
 
 import torch
-from mfu import H100_BF16_TFLOPS, mfu_fields
+from mfu import add_step_arguments, mfu_fields
 
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(QWEN2_SHAPES), default="0.5b")
-    parser.add_argument("--seq", type=int, nargs="+", default=[1024])
-    parser.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="H100 dense bf16")
+    add_step_arguments(parser)
     parser.add_argument("--loss", choices=("sft", "grpo"), default="sft",
                         help="sft: SFT steps; grpo: old and reference log-probs, then the policy loss with KL")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1,
