@@ -33,15 +33,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("convert", "sft", "rejection_sampling", "rl", "evaluate", "export")
 
 
-def run_pipeline(config: str, store: str, seed: int, extra: list[str]) -> tuple[dict[str, Any], float]:
-    """One pipeline run as a subprocess; its JSON result and wall seconds."""
+def run_pipeline(config: str, store: str, seed: int, extra: list[str],
+                 stream_logs: bool = False) -> tuple[dict[str, Any], float]:
+    """One pipeline run as a subprocess; its JSON result (stdout) and wall seconds. Its log (stderr, where
+    Prefect and slime log) is kept and shown on failure, or with `stream_logs` passed through as it comes, so
+    a run stopped from outside (a time limit) still shows how far it got."""
     cmd = [sys.executable, "-m", "flows.pipeline", "--config", config, "--store", store,
            "--run-id", f"learn-seed{seed}", "--seed", str(seed), "--rollout-seed", str(seed), "--json", *extra]
     start = time.monotonic()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=os.environ.copy())
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=None if stream_logs else subprocess.PIPE,
+                          text=True, env=os.environ.copy())
     wall = time.monotonic() - start
     if done.returncode != 0:
-        sys.exit(f"seed {seed}: pipeline exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        log = "(its log is above)" if stream_logs else done.stderr[-3000:]
+        sys.exit(f"seed {seed}: pipeline exited {done.returncode}\n{done.stdout[-3000:]}\n{log}")
     text = done.stdout
     result, _ = json.JSONDecoder().raw_decode(text[text.index("\n{") + 1 if not text.startswith("{") else 0:])
     return result, wall
@@ -93,12 +98,14 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON file for the figures (default: STORE/learning.json)")
     parser.add_argument("--rl-variant", nargs=2, action="append", default=[], metavar=("NAME", "FLAGS"),
                         help="also RL from each seed's SFT checkpoint with FLAGS; compared on the in-run eval")
+    parser.add_argument("--stream-logs", action="store_true",
+                        help="pass each pipeline's log through as it runs (default: shown only if it fails)")
     args, extra = parser.parse_known_args()
     store = str(Path(args.store).absolute())
 
     rows = []
     for seed in args.seeds:
-        result, wall = run_pipeline(args.config, store, seed, extra)
+        result, wall = run_pipeline(args.config, store, seed, extra, args.stream_logs)
         acc = accuracy_by_stage(result, args.dataset, args.metric)
         seconds = {s: round(sum(result[s].get("seconds", {}).values()), 1) for s in STAGES if s in result}
         rows.append({"seed": seed, "accuracy": acc, "stage_seconds": seconds, "wall_s": round(wall, 1)})
