@@ -5,6 +5,11 @@ pytest -m gpu; about 8 minutes on an H100, docs/gpu.md says how to carry Ray and
 It runs `bench/learning.py` once (the pipeline as a subprocess, `--json`) and checks that every stage
 ran and that held-out accuracy rises from the untrained model to SFT, and that a few RL steps keep it
 (the full 40 steps took it from 0.720 to 0.785 on an H100: docs/benchmarks.md).
+
+Its store is `runs/gpu-pipeline-test` in the repository (ignored by git), kept between runs: a run stopped
+from outside (a time limit) resumes from its completed stages when the test runs again, as `make run
+RUN_ID=...` does; stages whose code or inputs changed run again (their cache keys). Remove the folder for a
+run from scratch.
 """
 
 import json
@@ -23,8 +28,9 @@ def test_gpu_pipeline_learns(tmp_path):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
     out = tmp_path / "learning.json"
+    store = ROOT / "runs" / "gpu-pipeline-test"
     cmd = [sys.executable, "bench/learning.py", "--config", "deployments/gpu-small.yaml", "--dataset",
-           "multiplication", "--seeds", "1234", "--store", str(tmp_path / "store"), "--out", str(out),
+           "multiplication", "--seeds", "1234", "--store", str(store), "--out", str(out),
            "--num-rollout", "6", "--eval-interval", "3", "--save-interval", "3", "--stream-logs"]
     # the pipeline's log is not captured, here or by bench/learning.py (--stream-logs): with -s it streams (a run
     # stopped by a time limit still shows how far it got), and without -s pytest shows it with a failure
