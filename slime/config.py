@@ -8,7 +8,8 @@ pass-through dicts instead of typed fields:
 * `sglang`: every `--sglang-<flag>` (SGLang `ServerArgs`), forwarded verbatim to the engines;
 * `router`: every `--router-<flag>` (sglang-router), forwarded to the router;
 * `megatron`: Megatron flags that slime does not model itself (`--tensor-model-parallel-size 2`),
-  checked against megatron-core's config dataclasses when an unknown flag is seen.
+  checked against megatron-core's config dataclasses when an unknown flag is seen; the model's own
+  (`TransformerConfig`) options reach the model through `bridge.model_options`.
 
 Errors name the file and line (YAML) or the flag (CLI) that is wrong. `section_hash` gives a stable
 content hash of any section, which the orchestration layer uses as a cache key.
@@ -842,7 +843,9 @@ def reference_markdown() -> str:
         "| `router` | `--router-<flag>` | sglang-router |",
         "| `megatron` | any other Megatron flag, e.g. `--tensor-model-parallel-size` | the Megatron trainer "
         "(checked against megatron-core's `TransformerConfig`, `OptimizerConfig`, "
-        "`DistributedDataParallelConfig` and the scheduler flags) |",
+        "`DistributedDataParallelConfig` and the scheduler flags). `TransformerConfig`'s own fields "
+        "(`--recompute-granularity`, dropouts, fusions) go into the model; its shape flags "
+        "(`--num-layers`, ...) must equal the checkpoint's |",
         "",
         flag_table_markdown(),
     ]

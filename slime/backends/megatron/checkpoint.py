@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron import lora
+from slime.backends.megatron.bridge import ARCHITECTURE_FIELDS
 from slime.backends.megatron.optimizer import (
     SCHEDULER_FIELDS,
     init_optimizer_state,
@@ -64,10 +65,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KIND = "checkpoint"
 TRAINING_STATE = "training_state.json"
 _ITER = re.compile(r"^iter_(\d{7})$")
-# the TransformerConfig fields that decide the shapes and meaning of the weights
-_ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "add_bias_linear",
-                 "qk_layernorm")
 
 
 class CheckpointError(ConfigError):
@@ -278,7 +275,7 @@ def model_signature(models: list[torch.nn.Module]) -> dict[str, Any]:
 
     config = get_model_config(models[0])
     model = _single_chunk(models)
-    signature = {name: getattr(config, name, None) for name in _ARCHITECTURE}
+    signature = {name: getattr(config, name, None) for name in ARCHITECTURE_FIELDS}
     signature["padded_vocab_size"] = getattr(model, "vocab_size", None)
     signature["share_embeddings_and_output_weights"] = getattr(model, "share_embeddings_and_output_weights", None)
     signature["params_dtype"] = str(config.params_dtype).removeprefix("torch.")
