@@ -22,7 +22,13 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from slime.errors import CorruptArtifactError, NotCommittedError, StorageError, StorageWriteError
+from slime.errors import (
+    AlreadyCommittedError,
+    CorruptArtifactError,
+    NotCommittedError,
+    StorageError,
+    StorageWriteError,
+)
 from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import (
     FileEntry,
@@ -99,7 +105,7 @@ class ShardSetWriter:
         self._parts = 0
         self._state: Literal["open", "committed", "aborted"] = "open"
         if is_committed(uri, storage_options):
-            raise StorageError(f"{uri} is already a committed shard set; write to a new location")
+            raise AlreadyCommittedError(f"{uri} is already a committed shard set; write to a new location")
 
     # ------------------------------------------------------------------ writing
 

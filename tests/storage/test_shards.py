@@ -179,7 +179,9 @@ def test_version_1_shards_still_read_with_token_versions_empty(tmp_path, samples
 def test_writer_refuses_committed_location_and_reuse(tmp_path, samples):
     uri = str(tmp_path / "set")
     write_samples(uri, samples)
-    with pytest.raises(StorageError, match="already a committed shard set"):
+    # the same error as losing the race at commit time: a writer that starts after another committed is refused
+    # as AlreadyCommittedError too (the racing test saw a plain StorageError when its loser started late)
+    with pytest.raises(AlreadyCommittedError, match="already a committed shard set"):
         ShardSetWriter(uri)
     writer = ShardSetWriter(str(tmp_path / "other"))
     writer.commit()
