@@ -50,20 +50,14 @@ def run_convert(config: Config) -> dict[str, Any]:
 
 
 def _convert(config: Config) -> dict[str, Any]:
-    from slime.backends.megatron.bridge import (
-        build_model,
-        checkpoint_metadata,
-        init_megatron,
-        make_bridge,
-        model_options,
-    )
+    from slime.backends.megatron.bridge import build_model, checkpoint_metadata, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import iteration_dir, save_model_checkpoint
     from slime.storage import manifest_hash
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
     dtype = megatron_dtype(config)
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(hf_dir, dtype, vocab_padding(config, hf_dir), model_options(config.megatron))
+    bridge = make_bridge(hf_dir, dtype, vocab_padding(config, hf_dir), config.megatron)
     models = build_model(bridge, hf_dir)
     save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"),
                           metadata={**checkpoint_metadata(bridge, hf_dir), "stage": "convert"})

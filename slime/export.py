@@ -57,13 +57,7 @@ def run_export(config: Config) -> dict[str, Any]:
 
 def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any]:
     """The export on local paths; `remote` names a staged checkpoint by its URL in the manifest."""
-    from slime.backends.megatron.bridge import (
-        build_model,
-        export_hf_weights,
-        init_megatron,
-        make_bridge,
-        model_options,
-    )
+    from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
     from slime.convert import vocab_padding
@@ -82,7 +76,7 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     init_megatron(seed=config.run.seed)
     # the checkpoint's own vocabulary rows (Megatron's padded size, recorded at save) decide the model's shape
     bridge = make_bridge(origin, dtype, meta.get("padded_vocab_size") or vocab_padding(config, origin),
-                         model_options(config.megatron))
+                         config.megatron)
     saved_lora = meta.get("lora")
     if saved_lora:
         return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out)

@@ -49,13 +49,7 @@ def run_sft(config: Config) -> dict[str, Any]:
 def _sft(config: Config) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from slime.backends.megatron.bridge import (
-        build_model,
-        init_megatron,
-        make_bridge,
-        model_options,
-        model_parallel_sizes,
-    )
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge, model_parallel_sizes
     from slime.backends.megatron.checkpoint import (
         iteration_dir,
         latest_checkpoint,
@@ -96,7 +90,7 @@ def _sft(config: Config) -> dict[str, Any]:
 
     model_parallel_sizes(config.megatron, 1, "the SFT stage trains on one rank")  # TP / PP > 1 refused, not ignored
     init_megatron(seed=config.run.seed)
-    bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir), model_options(config.megatron))
+    bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir), config.megatron)
     lora_spec = LoraSpec.from_config(config)  # LoRA: adapters on the frozen base (docs/lora.md)
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,
                          post_create=lora_callback(lora_spec) or freeze_callback(

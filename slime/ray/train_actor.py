@@ -198,7 +198,6 @@ class TrainActor:
             build_model,
             init_megatron,
             make_bridge,
-            model_options,
             model_parallel_sizes,
         )
         from slime.backends.megatron.freeze import freeze_callback
@@ -235,7 +234,7 @@ class TrainActor:
         self.profiler = TrainProfiler(c, self.rank)  # memory history from here, as slime's
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir), model_options(c.megatron))
+        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir), c.megatron)
         self.lora_spec = LoraSpec.from_config(c)
         self.models = build_model(self.bridge, wrap_with_ddp=True,
                                   use_distributed_optimizer=c.train.use_distributed_optimizer,

@@ -142,8 +142,9 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atte
 
 def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
     """The Megatron pass-through options (`Config.megatron`) that configure the model: fields of megatron-core's
-    `TransformerConfig` itself (recompute, dropout, fusions, ...), for `make_bridge`. Those of its
-    `ModelParallelConfig` base (parallel sizes, dtype) are set by `init_megatron` and the bridge."""
+    `TransformerConfig` itself (recompute, dropout, fusions, ...). Those of its `ModelParallelConfig` base
+    (parallel sizes, dtype) are set by `init_megatron` and the bridge; the rest (optimizer, scheduler) are
+    not the model's."""
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -152,13 +153,13 @@ def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int | None = 128,
-                options: dict[str, Any] | None = None) -> Any:
+                megatron: dict[str, Any] | None = None) -> Any:
     """An mbridge bridge for the HF checkpoint at `hf_dir`, fixed as the module docstring says.
 
-    `options` (`model_options` of the config's megatron section) go into the model's TransformerConfig,
-    over this module's fusion defaults; an architecture field there must equal what the checkpoint gives
-    (slime command lines repeat the model's shape flags), else it is refused. Megatron's parallel state must
-    be initialised first (`init_megatron`).
+    The model options of `megatron` (the config's megatron section, `model_options`) go into the model's
+    TransformerConfig, over this module's fusion defaults; an architecture field there must equal what the
+    checkpoint gives (slime command lines repeat the model's shape flags), else it is refused. Megatron's
+    parallel state must be initialised first (`init_megatron`).
     """
     config = load_hf_config(hf_dir)
     bridge = AutoBridge.from_config(config, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -181,13 +182,13 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
     # train step's log-probs read full-sequence outputs
     fusion_off["sequence_parallel"] = False
-    options = dict(options or {})
+    options = model_options(megatron or {})
     for name in sorted(set(options) & set(ARCHITECTURE_FIELDS)):
         given, actual = options.pop(name), getattr(bridge.config, name, None)
         if given != actual:
             raise ConfigError(f"megatron.{name}={given!r}, but the checkpoint {hf_dir} gives {actual!r}: the model's "
                               "shape comes from its HF config; drop the flag or fix it")
-    bridge.set_extra_args(**fusion_off, **options)
+    bridge.set_extra_args(**{**fusion_off, **options})  # the config's options over the fusion defaults
     name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
         k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}

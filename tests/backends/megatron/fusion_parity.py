@@ -8,23 +8,10 @@ unfused ones, so turning it on where CUDA has Triton changes no numerics beyond 
 import json
 import sys
 
-import torch
 from megatron.core.fusions import fused_bias_swiglu
+from option_parity import logits_and_grads
 
-from slime.backends.megatron.bridge import build_model, fused_activation_available, init_megatron, make_bridge
-
-
-def logits_and_grads(hf_dir: str, fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
-    bridge = make_bridge(hf_dir)
-    if fused:
-        bridge.set_extra_args(bias_activation_fusion=True)
-    model = build_model(bridge, hf_dir)[0]
-    tokens = torch.randint(0, bridge.hf_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(12).unsqueeze(0).expand_as(tokens)
-    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
-    logits.float().pow(2).mean().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads, bool(model.config.bias_activation_fusion)
+from slime.backends.megatron.bridge import fused_activation_available, init_megatron
 
 
 def main() -> None:
@@ -33,9 +20,10 @@ def main() -> None:
     calls = []
     compiled = fused_bias_swiglu.swiglu  # what SwiGLUFunction runs: count that the fused path is taken
     fused_bias_swiglu.swiglu = lambda y: calls.append(1) or compiled(y)
-    plain, plain_grads, plain_flag = logits_and_grads(hf_dir, fused=False)
+    plain, plain_grads, plain_config = logits_and_grads(hf_dir, {})
     plain_calls = len(calls)
-    fused, fused_grads, fused_flag = logits_and_grads(hf_dir, fused=True)
+    fused, fused_grads, fused_config = logits_and_grads(hf_dir, {"bias_activation_fusion": True})
+    plain_flag, fused_flag = bool(plain_config.bias_activation_fusion), bool(fused_config.bias_activation_fusion)
     assert plain_grads.keys() == fused_grads.keys()
     print(json.dumps({"logit_gap": (plain - fused).abs().max().item(), "logit_scale": plain.abs().max().item(),
                       "grad_gap": max((plain_grads[k] - fused_grads[k]).abs().max().item() for k in plain_grads),

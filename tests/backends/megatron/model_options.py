@@ -8,25 +8,14 @@ logits and gradients as without), and a shape flag must agree with the checkpoin
 import json
 import sys
 
-import torch
 from megatron.core import tensor_parallel
+from option_parity import logits_and_grads
 
-from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge, model_options
+from slime.backends.megatron.bridge import init_megatron, make_bridge, model_options
 from slime.errors import ConfigError
 
 MEGATRON = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1,
             "hidden_dropout": 0.0, "tensor_model_parallel_size": 1, "lr_decay_style": "cosine"}
-
-
-def run(hf_dir: str, options: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], object]:
-    bridge = make_bridge(hf_dir, options=options)
-    model = build_model(bridge, hf_dir)[0]
-    tokens = torch.randint(0, bridge.hf_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(12).unsqueeze(0).expand_as(tokens)
-    logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
-    logits.float().pow(2).mean().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads, model.config
 
 
 def main() -> None:
@@ -35,18 +24,17 @@ def main() -> None:
     calls = []
     checkpoint = tensor_parallel.checkpoint  # what megatron's full recompute runs each layer through
     tensor_parallel.checkpoint = lambda *a, **k: calls.append(1) or checkpoint(*a, **k)
-    options = model_options(MEGATRON)
-    plain, plain_grads, _ = run(hf_dir, {})
+    plain, plain_grads, _ = logits_and_grads(hf_dir, {})
     plain_calls = len(calls)
-    recomputed, grads, config = run(hf_dir, options)
+    recomputed, grads, config = logits_and_grads(hf_dir, MEGATRON)
     layers = config.num_layers
     try:
-        make_bridge(hf_dir, options={"num_layers": layers + 1})
+        make_bridge(hf_dir, megatron={"num_layers": layers + 1})
         refused = None
     except ConfigError as exc:
         refused = str(exc)
-    make_bridge(hf_dir, options={"num_layers": layers, "normalization": "RMSNorm"})  # agreeing shape flags pass
-    print(json.dumps({"options": sorted(options), "recompute_granularity": config.recompute_granularity,
+    make_bridge(hf_dir, megatron={"num_layers": layers, "normalization": "RMSNorm"})  # agreeing shape flags pass
+    print(json.dumps({"options": sorted(model_options(MEGATRON)), "recompute_granularity": config.recompute_granularity,
                       "plain_calls": plain_calls, "recompute_calls": len(calls) - plain_calls, "layers": layers,
                       "logit_gap": (plain - recomputed).abs().max().item(),
                       "grad_gap": max((plain_grads[k] - grads[k]).abs().max().item() for k in plain_grads),
