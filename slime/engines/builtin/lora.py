@@ -182,12 +182,10 @@ class LoraAdapters:
         params = dict(self.model.named_parameters())
         for name, (a, b, scale) in deltas.items():
             weight = params[name]
-            twin = self._twins.get(name)
-            if twin is None or twin.shape != weight.shape or twin.dtype != weight.dtype:
-                twin = self._twins[name] = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=weight.is_cuda)
-                self._current.discard(name)
+            if name not in self._twins:
+                self._twins[name] = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=weight.is_cuda)
             if name not in self._current:  # ordered before the merge below on the same stream
-                twin.copy_(weight.detach(), non_blocking=True)
+                self._twins[name].copy_(weight.detach(), non_blocking=True)
                 self._current.add(name)
             delta = scale * (b.to(weight.device) @ a.to(weight.device))
             weight.copy_(weight.float() + delta)
