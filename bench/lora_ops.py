@@ -140,7 +140,7 @@ def main() -> None:
     print(json.dumps({
         "layers": args.layers, "lora_rank": args.lora_rank, "micro_batches": micro, "adapted_layers": adapted,
         **{key: sum(counter.values()) for key, counter in ops.items()},
-        "sft_loss": round(metrics["sft_loss"], 4), "top_kernels": ops["kernels"].most_common(12),
+        "sft_loss": round(metrics["sft_loss"], 4), "grad_norm": metrics["grad_norm"], "top_kernels": ops["kernels"].most_common(12),
         "top_optimizer": ops["optimizer_kernels"].most_common(8)}), flush=True)
 
 
