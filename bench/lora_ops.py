@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--all", action="store_true", help="print every op's count")
     args = parser.parse_args()
 
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
@@ -141,7 +142,7 @@ def main() -> None:
         "layers": args.layers, "lora_rank": args.lora_rank, "micro_batches": micro, "adapted_layers": adapted,
         **{key: sum(counter.values()) for key, counter in ops.items()},
         "sft_loss": round(metrics["sft_loss"], 4), "grad_norm": metrics["grad_norm"], "top_kernels": ops["kernels"].most_common(12),
-        "top_optimizer": ops["optimizer_kernels"].most_common(8)}), flush=True)
+        "top_optimizer": ops["optimizer_kernels"].most_common(8), **({"all_kernels": dict(ops["kernels"]), "all_dispatched": dict(ops["dispatched"])} if args.all else {})}), flush=True)
 
 
 if __name__ == "__main__":
