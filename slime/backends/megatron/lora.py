@@ -75,10 +75,19 @@ class LoraSpec:
 
 
 class _State:
-    """Per-layer adapter settings, kept on the layer as `_lora`."""
+    """Per-layer adapter settings, kept on the layer as `_lora`: `collective` is the TP mapping of the rank-r
+    activation, None at TP 1 (megatron's mappings are identities there; skipping them saves an autograd node)."""
 
-    def __init__(self, spec: LoraSpec, column: bool) -> None:
+    def __init__(self, spec: LoraSpec, column: bool, tp: int) -> None:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
         self.spec, self.column, self.enabled = spec, column, True
+        self.collective: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if tp > 1:
+            self.collective = copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region
 
 
 def is_adapter_name(name: str) -> bool:
@@ -146,26 +155,53 @@ def _attach(name: str, module: torch.nn.Module, spec: LoraSpec, column: bool) ->
         set_tensor_model_parallel_attributes(module.lora_b, True, 0, 1)
     else:
         set_tensor_model_parallel_attributes(module.lora_a, True, 1, 1)
-    module._lora = _State(spec, column)
+    module._lora = _State(spec, column, tp)
     module._lora_base_forward = module.forward
     module.forward = types.MethodType(_forward, module)
 
 
 def _forward(self: torch.nn.Module, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """The layer's own forward plus scale * B @ A @ dropout(x) (see the module docstring for the TP collectives)."""
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-
     output, bias = self._lora_base_forward(input_, *args, **kwargs)
     state: _State = self._lora
     if not state.enabled:
         return output, bias
     x = _dropout(input_, state) if self.training and state.spec.dropout else input_
     h = F.linear(x, self.lora_a)  # [s, b, r]: whole (column) or this rank's partial sum (row)
-    h = copy_to_tensor_model_parallel_region(h) if state.column else reduce_from_tensor_model_parallel_region(h)
-    return output + state.spec.scale * F.linear(h, self.lora_b), bias
+    if state.collective is not None:
+        h = state.collective(h)
+    return _AddScaledLinear.apply(output, h, self.lora_b, state.spec.scale), bias
+
+
+class _AddScaledLinear(torch.autograd.Function):
+    """`output + scale * h @ B^T` in one GEMM forward (`addmm`, beta 1, alpha scale) and one per gradient backward
+    (`addmm`, beta 0, alpha scale), where autograd's `output + scale * F.linear(h, B)` runs GEMM, mul and add
+    forward and mul and two GEMMs backward: the adapted step is launch-bound on a GPU (docs/lora.md), so kernels
+    count. A column-parallel layer's output is fresh and nothing saves it for backward, so the sum is written into
+    it (`addmm_`: no copy); a row-parallel one's is a view megatron's reduce mapping returns, which autograd
+    forbids modifying in place, so it gets a new tensor (a copy and the GEMM)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(h, b)
+        ctx.scale = scale
+        h2 = h.reshape(-1, h.shape[-1])
+        if output._is_view() or not output.is_contiguous():
+            return torch.addmm(output.reshape(-1, output.shape[-1]), h2, b.t(), alpha=scale).view(output.shape)
+        ctx.mark_dirty(output)
+        output.view(-1, output.shape[-1]).addmm_(h2, b.t(), alpha=scale)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h, b = ctx.saved_tensors
+        flat, h2 = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
+        grad_h = grad_b = None  # beta 0: addmm's first argument only gives the shape, its values are ignored
+        if ctx.needs_input_grad[1]:
+            grad_h = torch.addmm(h2, flat, b, beta=0, alpha=ctx.scale).view(h.shape)
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.addmm(b, flat.t(), h2, beta=0, alpha=ctx.scale)
+        return grad, grad_h, grad_b, None
 
 
 def _dropout(x: torch.Tensor, state: _State) -> torch.Tensor:

@@ -18,6 +18,12 @@ Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, meas
    instance (`build_optimizer`) by a setter that never touches `step`;
 3. after loading, megatron gives every parameter one shared `step` tensor, which torch Adam then
    increments once per parameter (wrong bias correction): `untie_adam_steps` gives each its own copy.
+
+Without Apex or Transformer Engine, megatron's gradient clipping falls back to a per-tensor loop: one norm
+and one `.item()` (a GPU->host synchronisation) per gradient, and a multiply and a copy per gradient when
+it clips. `use_foreach_clipping` (called by `build_optimizer`) puts torch's multi-tensor (foreach) ops in
+their place: the same norm and scaling, a few kernels and no synchronisation per parameter (issue 18: the
+LoRA step, 224 adapter tensors at 1.5B, is launch-bound).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: floa
                              adam_beta2=adam_beta2, adam_eps=adam_eps, sgd_momentum=0.0, clip_grad=clip_grad,
                              bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=use_distributed_optimizer)
+    use_foreach_clipping()
     megatron_optimizer = get_megatron_optimizer(config, models)
     for inner in _leaves(megatron_optimizer):
         if _is_distributed(inner):
@@ -60,6 +67,36 @@ def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: floa
     model_config.finalize_model_grads_func = finalize_model_grads  # DDP gradient sync before the step
     model_config.grad_scale_func = megatron_optimizer.scale_loss
     return megatron_optimizer
+
+
+def use_foreach_clipping() -> bool:
+    """Give megatron's clip_grads torch foreach versions of its local (no Apex/TE) multi-tensor fallbacks;
+    whether they were installed (not where Apex or Transformer Engine provide the fused ones)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_applier
+
+    if clip_grads.multi_tensor_applier is not local_multi_tensor_applier:
+        return False
+    clip_grads.l2_norm_impl = _foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = _foreach_scale
+    return True
+
+
+def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                     *args: Any) -> tuple[torch.Tensor, None]:
+    """megatron's `l2_norm_impl` contract: (the L2 norm of all of `tensor_lists[0]` as a [1] fp32 tensor, None),
+    on the tensors' device: no `.item()` per tensor as in `megatron.core.utils.local_multi_tensor_l2_norm`."""
+    norm = torch.nn.utils.get_total_norm(tensor_lists[0], 2.0)  # foreach where the device has it
+    return norm.float().reshape(1), None
+
+
+def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """megatron's `multi_tensor_scale_impl` contract: dst = src * scale (clipping scales the gradients in place)."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
 def build_scheduler(optimizer: Any, train: TrainConfig, total_steps: int | None = None) -> Any:

@@ -28,13 +28,14 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
 
 
 def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):
-    """LoRA in bf16: the base is the KL reference (KL exactly 0 before the adapters move, > 0 after), only the
+    """LoRA in bf16: the base is the KL reference (KL exactly 0 before the adapters move, not after), only the
     adapters train, and a rank started from the LoRA checkpoint resumes with those adapters as its reference."""
     rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--lora", timeout=600))
     assert rows["offload/onload"]["moved"] == 0.0
     assert rows["step 0"]["rollout/kl"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # lr 0: B stays 0
     assert rows["step 1"]["rollout/kl"] == 0.0 < rows["step 1"]["moved"], rows  # KL is taken before the step
-    assert rows["step 2"]["rollout/kl"] > 0.0 and rows["step 2"]["moved"] > rows["step 1"]["moved"], rows
+    # k1 (the default kl_loss_type) is a signed estimate: after a 1e-4 move in bf16 its sign is rounding's
+    assert rows["step 2"]["rollout/kl"] != 0.0 and rows["step 2"]["moved"] > rows["step 1"]["moved"], rows
     assert rows["step 2"]["lora/rank"] == 4.0 and rows["step 2"]["lora/peak_memory_bytes"] > 0
     assert 0 < rows["step 2"]["lora/trainable_params"] < rows["step 2"]["lora/total_params"] / 10, rows
     resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", "--lora",
