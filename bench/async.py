@@ -14,8 +14,8 @@ placement (weights synced by tensor), so the comparison is like for like. On the
 cores. Throughput is the samples of the measured steps over their wall time (from the first
 measured step's start to the last one's metrics line). Also reported per mode: median trainer idle (waiting
 for a batch), median engine idle (fully async: nothing in flight), the largest staleness trained on and
-the mean reward of the measured steps (learning is the same when these agree). Prints a table and one
-JSON line.
+the mean reward of the measured steps (learning is the same when these agree). Prints a line per step
+and a JSON line per mode as each ends (`--modes off,fully` runs a subset), then a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
     records: list[dict[str, Any]] = []
     try:
         loop.setup()
+        setup_end = time.monotonic()
         start = None
         for rollout_id in range(loop.num_rollout):
             if rollout_id == args.warmup:
@@ -78,6 +79,9 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
             loop.train(rollout_id, rollout["uri"])
             loop.sync(rollout_id)
             record = loop.log_step(rollout_id)
+            # one line a step as it ends, so a run stopped by a time limit still shows how far it got
+            print(f"[{mode}] step {rollout_id + 1}/{loop.num_rollout} done at {time.monotonic() - setup_end:.1f} s "
+                  f"after setup", flush=True)
             if rollout_id >= args.warmup:
                 records.append(record)
         wall = time.monotonic() - start
@@ -119,6 +123,7 @@ def main() -> None:
         model_dir, prompts = workspace(args.model, scratch, torch.bfloat16 if cuda else torch.float32)
         for mode in args.modes.split(","):
             rows.append(run_mode(args, mode, model_dir, prompts, scratch / mode, cuda))
+            print(json.dumps({"mode_done": rows[-1]}), flush=True)  # each mode's figures as soon as it ends
     base = next((r["samples_per_s"] for r in rows if r["mode"] == "off"), None)
     print(f"{'mode':<14}{'samples/s':>11}{'vs sync':>9}{'trainer idle':>14}{'engine idle':>13}{'max lag':>9}"
           f"{'reward':>8}")
