@@ -22,7 +22,13 @@ import torch
 
 from slime.backends.megatron.batching import micro_batches
 from slime.backends.megatron.forward import forward_only, is_last_stage, share_from_last_stage
-from slime.backends.megatron.logprobs import PaddedBatch, forward_logits, pad_samples, response_positions
+from slime.backends.megatron.logprobs import (
+    PaddedBatch,
+    forward_logits,
+    pad_samples,
+    response_positions,
+    rows_to_host,
+)
 from slime.types import Sample
 
 
@@ -116,6 +122,7 @@ def compute_values(models: list[torch.nn.Module], samples: list[Sample], *, micr
     values: list[torch.Tensor | None] = [None] * len(samples)
     for indices, batch, rows in forward_only(models, parts, run, collect):
         for row, i in enumerate(indices):
-            values[i] = rows[row, : int(batch.response_lengths[row])].cpu()
+            values[i] = rows[row, : batch.host_response_lengths[row]]
+    values = rows_to_host(values)
     return share_from_last_stage(values if is_last_stage() else None, [s.response_length for s in samples],
                                  device)

@@ -39,15 +39,38 @@ from slime.types import Sample
 
 @dataclass
 class PaddedBatch:
-    """Samples as one right-padded token batch, with what is needed to find each response."""
+    """Samples as one right-padded token batch, with what is needed to find each response.
+
+    The lengths are kept twice: as tensors on the batch's device (for masks and positions) and as host
+    ints (for shapes, slicing and Python-side reducers). Reading a CUDA tensor's values on the host waits
+    for all the GPU work queued before it, so a length read per micro-batch would drain the GPU between
+    micro-batches and make it wait for the host's next launches; the host copies cost nothing to read."""
 
     tokens: torch.Tensor  # [B, S] long, right-padded
     prompt_lengths: torch.Tensor  # [B] long
     response_lengths: torch.Tensor  # [B] long
+    host_prompt_lengths: tuple[int, ...] = ()  # the same values on the host (filled from the tensors if left out)
+    host_response_lengths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.host_prompt_lengths) != len(self.prompt_lengths):
+            self.host_prompt_lengths = tuple(int(n) for n in self.prompt_lengths.tolist())
+        if len(self.host_response_lengths) != len(self.response_lengths):
+            self.host_response_lengths = tuple(int(n) for n in self.response_lengths.tolist())
 
     @property
     def max_response_length(self) -> int:
-        return int(self.response_lengths.max()) if len(self.response_lengths) else 0
+        return max(self.host_response_lengths, default=0)
+
+
+def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without blocking, since a plain copy from
+    pageable memory synchronises the stream (the host would wait for all queued GPU work at every
+    micro-batch). The caching host allocator keeps the pinned block until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def pad_samples(samples: list[Sample], pad_token_id: int = 0, device: str | torch.device = "cpu",
@@ -61,9 +84,10 @@ def pad_samples(samples: list[Sample], pad_token_id: int = 0, device: str | torc
         if len(sample.tokens) - sample.response_length < 1:
             raise ConfigError(f"sample {sample.index}: no prompt token before the response; cannot score it")
         tokens[row, : len(sample.tokens)] = torch.tensor(sample.tokens, dtype=torch.long)
-    response = torch.tensor([s.response_length for s in samples], dtype=torch.long)
-    prompt = torch.tensor([len(s.tokens) for s in samples], dtype=torch.long) - response
-    return PaddedBatch(tokens.to(device), prompt.to(device), response.to(device))
+    response = tuple(s.response_length for s in samples)
+    prompt = tuple(len(s.tokens) - s.response_length for s in samples)
+    return PaddedBatch(to_device(tokens, device), to_device(torch.tensor(prompt, dtype=torch.long), device),
+                       to_device(torch.tensor(response, dtype=torch.long), device), prompt, response)
 
 
 def response_positions(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +141,8 @@ def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, t
         logp, entropy = _parallel_scores(logits, positions, targets, vocab_size, temperature, with_entropy,
                                          chunk_size)
     else:
-        starts, lengths = (batch.prompt_lengths - 1).tolist(), batch.response_lengths.tolist()
-        logp, entropy = ResponseScores.apply(logits, targets, tuple(starts), tuple(lengths), vocab_size,
+        starts = tuple(n - 1 for n in batch.host_prompt_lengths)
+        logp, entropy = ResponseScores.apply(logits, targets, starts, batch.host_response_lengths, vocab_size,
                                              temperature, chunk_size, with_entropy)
     logp = torch.where(mask, logp, 0.0)
     entropy = torch.where(mask, entropy, 0.0) if with_entropy else None
@@ -253,6 +277,17 @@ def _vocab_parallel_scores(scoring: torch.Tensor, targets: torch.Tensor, vocab_s
     return logp, torch.log(total) + peak - expected / total
 
 
+def rows_to_host(rows: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Per-sample 1-D device tensors as float32 CPU tensors (None stays None: a pipeline stage that scored
+    nothing), in one transfer: a copy per row would make the host wait for each micro-batch's forward
+    before launching the next one."""
+    present = [row.reshape(-1) for row in rows if row is not None]
+    if not present:
+        return list(rows)
+    parts = iter(torch.cat(present).float().cpu().split([row.numel() for row in present]))
+    return [None if row is None else next(parts).clone() for row in rows]
+
+
 @dataclass
 class SampleLogProbs:
     """Per-sample response log-probs (and entropies), 1-D float32 CPU tensors of `response_length`."""
@@ -290,10 +325,12 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
     entropies: list[torch.Tensor | None] = [None] * len(samples)
     for indices, batch, (logp, _, entropy) in forward_only(models, parts, run, collect, wrap=profile):
         for row, i in enumerate(indices):
-            n = int(batch.response_lengths[row])
-            log_probs[i] = logp[row, :n].float().cpu()
+            n = batch.host_response_lengths[row]
+            log_probs[i] = logp[row, :n]
             if entropy is not None:
-                entropies[i] = entropy[row, :n].float().cpu()
+                entropies[i] = entropy[row, :n]
+    log_probs = rows_to_host(log_probs)  # once for all micro-batches, after the last one's work is queued
+    entropies = rows_to_host(entropies) if with_entropy else entropies
     if pipeline_size() > 1:  # the last stage scored them; every stage returns them
         lengths = [s.response_length for s in samples]
         last = is_last_stage()

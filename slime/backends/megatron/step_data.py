@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from slime.backends.megatron.logprobs import PaddedBatch, pad_samples
+from slime.backends.megatron.logprobs import PaddedBatch, pad_samples, to_device
 from slime.errors import DataFormatError
 from slime.types import Sample
 
@@ -73,7 +73,7 @@ def _rows(values: list, width: int, device: torch.device) -> torch.Tensor:
             out[row, :n] = float(value)
         elif n:
             out[row, :n] = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
-    return out.to(device)
+    return to_device(out, device)
 
 
 def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainArrays, *, pad_token_id: int,
@@ -103,7 +103,7 @@ def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainAr
     rollout = None
     if all(s.rollout_log_probs is not None for s in chunk):
         rollout = _rows([(s.rollout_log_probs, s.response_length) for s in chunk], width, device)
-    return MicroBatch(indices=list(indices), batch=batch, loss_mask=loss_mask.to(device), advantages=advantages,
+    return MicroBatch(indices=list(indices), batch=batch, loss_mask=to_device(loss_mask, device), advantages=advantages,
                       rollout_log_probs=rollout, old_log_probs=column("old_log_probs"),
                       ref_log_probs=column("ref_log_probs"), returns=column("returns"),
                       old_values=column("old_values"))

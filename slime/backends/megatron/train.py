@@ -227,8 +227,8 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         parts["mismatch/ois"] = reduce(torch.exp(torch.where(mask, logp.float() - old.float(), 0.0)), mask)
         parts["train_rollout_logprob_abs_diff"] = reduce((train_old - micro.rollout_log_probs).abs(), mask)
     if s.pg_loss_reducer is not None:  # slime's reducer gives a sum of sample means (or of tokens): normalise
-        lengths = [int(n) for n in micro.batch.response_lengths]
-        reducer = s.pg_loss_reducer([int(p) + n for p, n in zip(micro.batch.prompt_lengths, lengths, strict=True)],
+        lengths = list(micro.batch.host_response_lengths)
+        reducer = s.pg_loss_reducer([p + n for p, n in zip(micro.batch.host_prompt_lengths, lengths, strict=True)],
                                     lengths, [mask[i, :n].int() for i, n in enumerate(lengths)],
                                     s.calculate_per_token_loss)
         pg_loss = reducer(_flat(pg, lengths)) / (step.num_tokens if s.calculate_per_token_loss else step.num_samples)
@@ -256,7 +256,7 @@ def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, tra
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Call a slime TIS function on slime's layout (per-token values of the micro-batch's responses, one after
     the other; per-sample lists) and bring its loss, masks and metrics back to `[b, R]`."""
-    lengths = [int(n) for n in micro.batch.response_lengths]
+    lengths = list(micro.batch.host_response_lengths)
     rows = range(len(lengths))
 
     def flat(x: torch.Tensor) -> torch.Tensor:
@@ -273,7 +273,7 @@ def _custom_tis(fn: Callable[..., Any], micro: MicroBatch, pg: torch.Tensor, tra
         pg_loss=flat(pg), train_log_probs=[train_old[i, : lengths[i]] for i in rows],
         rollout_log_probs=[micro.rollout_log_probs[i, : lengths[i]] for i in rows],
         loss_masks=[mask[i, : lengths[i]].int() for i in rows],
-        total_lengths=[int(p) + lengths[i] for i, p in enumerate(micro.batch.prompt_lengths)],
+        total_lengths=[p + lengths[i] for i, p in enumerate(micro.batch.host_prompt_lengths)],
         response_lengths=lengths)
     new_mask = padded(torch.cat([m.to(pg.dtype) for m in masks])) if masks is not None else mask.to(pg.dtype)
     return padded(new_pg), new_mask, {k: padded(v.to(pg.dtype)) for k, v in metrics.items()}

@@ -45,3 +45,26 @@ def test_response_positions_and_padding():
     assert mask[2].tolist() == [False, False]
     with pytest.raises(ConfigError, match="no prompt token"):
         pad_samples([Sample(tokens=[1, 2], response_length=2)])
+    # the lengths are kept on the host too (read per micro-batch without waiting for the GPU)
+    assert batch.host_prompt_lengths == (3, 1, 3) and batch.host_response_lengths == (2, 1, 0)
+    assert batch.max_response_length == 2
+
+
+def test_a_batch_built_by_hand_gets_its_host_lengths_from_the_tensors():
+    from slime.backends.megatron.logprobs import PaddedBatch
+
+    batch = PaddedBatch(tokens=torch.zeros(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([3, 2]),
+                        response_lengths=torch.tensor([2, 3]))
+    assert batch.host_prompt_lengths == (3, 2) and batch.host_response_lengths == (2, 3)
+    assert batch.max_response_length == 3
+
+
+def test_rows_to_host_keeps_order_lengths_and_gaps():
+    from slime.backends.megatron.logprobs import rows_to_host
+
+    rows = [torch.tensor([1.0, 2.0]), None, torch.zeros(0), torch.tensor([3.0], dtype=torch.bfloat16)]
+    host = rows_to_host(rows)
+    assert host[1] is None and host[2].shape == (0,)
+    assert host[0].tolist() == [1.0, 2.0] and host[3].tolist() == [3.0] and host[3].dtype == torch.float32
+    host[0][0] = 9.0  # each row its own tensor: writing one leaves the others alone
+    assert host[3].tolist() == [3.0] and rows_to_host([None, None]) == [None, None] and rows_to_host([]) == []

@@ -140,3 +140,28 @@ def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
     torch.testing.assert_close(entropy, want_entropy, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(grad.float(), want_grad.float(), atol=1e-2, rtol=2e-2)
     assert fused_peak < plain_peak, (fused_peak, plain_peak)
+
+
+@pytest.mark.gpu
+def test_cuda_batching_and_scoring_never_wait_for_the_gpu():
+    """Building a micro-batch's tensors and scoring its logits issue no GPU->host synchronisation (torch's
+    sync debug mode raises on one): a wait per micro-batch drains the GPU between micro-batches."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    from slime.backends.megatron.step_data import TrainArrays, build_micro_batch
+
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(index=i, tokens=torch.randint(0, VOCAB, (20 - i,), generator=g).tolist(), response_length=8 - i,
+                      rollout_log_probs=[-1.0] * (8 - i)) for i in range(3)]
+    arrays = TrainArrays(advantages=[0.5, -0.5, 1.0], old_log_probs=[[-1.0] * (8 - i) for i in range(3)])
+    logits = torch.randn(3, 20, PADDED, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        micro = build_micro_batch(samples, [0, 1, 2], arrays, pad_token_id=0, device=torch.device("cuda"))
+        logp, _, entropy = score_logits(logits, micro.batch, vocab_size=VOCAB, with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert micro.batch.host_response_lengths == (8, 7, 6) and logits.grad is not None
