@@ -4,6 +4,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
 gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
@@ -54,7 +55,11 @@ def main() -> None:
                         help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    parser.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
+                        help="a model option of the config's megatron section (a TransformerConfig field, the value "
+                             "read as YAML), as a run would set it, e.g. recompute_granularity=selective; repeatable")
     args = parser.parse_args()
+    megatron = megatron_options(args.megatron)
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
     if args.loss == "grpo" and args.lora_rank:
@@ -72,7 +77,7 @@ def main() -> None:
     init_megatron(seed=0)
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
-        bridge = make_bridge(hf_dir, torch.bfloat16)
+        bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
@@ -116,12 +121,26 @@ def main() -> None:
             "model": args.model, "loss_kind": args.loss, "params": params, "seq": seq,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "step_s": round(step_s, 4),
             "steps": args.steps, "lora_rank": args.lora_rank, "log_probs_chunk_size": args.log_probs_chunk_size,
+            "megatron": megatron,
             "trainable_params": count_parameters(models)["trainable"], "tokens_per_s": round(tokens_per_s),
             **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
                          peak_tflops=args.peak_tflops, forward_passes=2 if grpo else 0),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
+
+
+def megatron_options(pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings as the megatron section's entries (values parsed as YAML: numbers, booleans, lists)."""
+    import yaml
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--megatron {pair!r}: expected KEY=VALUE")
+        options[key.strip()] = yaml.safe_load(value)
+    return options
 
 
 def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module], samples: list[Any],

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -20,3 +22,15 @@ def test_grpo_step_pieces(tiny_kit):
     # after one step the policy has moved away from the frozen reference
     assert second["old_vs_direct"] < 1e-6 and second["old_vs_ref"] > 1e-4 and second["kl_loss"] > 0, row
     assert first["grad_norm"] > 0, row
+
+
+def test_megatron_options_are_read_as_the_config_reads_them():
+    sys.path.insert(0, str(HERE.parents[1] / "bench"))
+    from train_step import megatron_options
+
+    assert megatron_options(["recompute_granularity=selective", "recompute_num_layers=2",
+                             "bias_activation_fusion=false", "recompute_modules=[core_attn, mlp]"]) == {
+        "recompute_granularity": "selective", "recompute_num_layers": 2, "bias_activation_fusion": False,
+        "recompute_modules": ["core_attn", "mlp"]}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        megatron_options(["recompute_granularity"])
