@@ -5,6 +5,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-grad-accum-fusion
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
 gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
@@ -28,8 +29,8 @@ sequence, responses the rest. Prints one JSON line per configuration:
 With `--lora-rank R` every linear layer gets rank-R adapters on the frozen base (docs/lora.md): the
 base's weight gradients are skipped, so the same MFU formula (6 x params) overstates the work done;
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
-`--no-fused-adam` (and `--fused-adam`) overrides the default kernel choice for an A/B in one session; the JSON
-line says which ran. Needs CUDA (no Ray, no Prefect).
+`--no-fused-adam` and `--no-grad-accum-fusion` (and their positive forms) override the
+default kernel choices (docs/megatron.md) for an A/B in one session; the JSON line says which ran. Needs CUDA (no Ray, no Prefect).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
                         help="train.fused_adam: torch's fused AdamW kernel (default: on under CUDA without Apex/TE)")
+    parser.add_argument("--grad-accum-fusion", action=argparse.BooleanOptionalAction, default=None,
+                        help="megatron.gradient_accumulation_fusion: weight-gradient GEMMs write into the fp32 "
+                             "main_grad (default: on under CUDA)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
@@ -76,13 +80,15 @@ def main() -> None:
     init_megatron(seed=0)
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
-        bridge = make_bridge(hf_dir, torch.bfloat16)
+        options = {"gradient_accumulation_fusion": args.grad_accum_fusion}
+        bridge = make_bridge(hf_dir, torch.bfloat16, megatron={k: v for k, v in options.items() if v is not None})
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
         ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
-    kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups)}
+    kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
+               "grad_accum_fusion": bridge.config.gradient_accumulation_fusion}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
