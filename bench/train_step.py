@@ -6,6 +6,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-grad-accum-fusion
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-rope-fusion
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
 gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
@@ -29,7 +30,7 @@ sequence, responses the rest. Prints one JSON line per configuration:
 With `--lora-rank R` every linear layer gets rank-R adapters on the frozen base (docs/lora.md): the
 base's weight gradients are skipped, so the same MFU formula (6 x params) overstates the work done;
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
-`--no-fused-adam` and `--no-grad-accum-fusion` (and their positive forms) override the
+`--no-fused-adam`, `--no-grad-accum-fusion` and `--no-rope-fusion` (and their positive forms) override the
 default kernel choices (docs/megatron.md) for an A/B in one session; the JSON line says which ran. Needs CUDA (no Ray, no Prefect).
 """
 
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--grad-accum-fusion", action=argparse.BooleanOptionalAction, default=None,
                         help="megatron.gradient_accumulation_fusion: weight-gradient GEMMs write into the fp32 "
                              "main_grad (default: on under CUDA)")
+    parser.add_argument("--rope-fusion", action=argparse.BooleanOptionalAction, default=None,
+                        help="megatron.apply_rope_fusion: torch.compile'd rotary embedding (default: on under "
+                             "CUDA with Triton)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
@@ -80,7 +84,7 @@ def main() -> None:
     init_megatron(seed=0)
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
-        options = {"gradient_accumulation_fusion": args.grad_accum_fusion}
+        options = {"gradient_accumulation_fusion": args.grad_accum_fusion, "apply_rope_fusion": args.rope_fusion}
         bridge = make_bridge(hf_dir, torch.bfloat16, megatron={k: v for k, v in options.items() if v is not None})
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
@@ -88,7 +92,8 @@ def main() -> None:
         ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
-               "grad_accum_fusion": bridge.config.gradient_accumulation_fusion}
+               "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
+               "rope_fusion": bridge.config.apply_rope_fusion}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,

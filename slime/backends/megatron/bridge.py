@@ -13,11 +13,12 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
    (`bias_activation_fusion`, `megatron.core.fusions.fused_bias_swiglu`, bias or not) needs neither: it
    is `torch.compile`d (`megatron.core.jit.jit_fuser`), so it is on where torch.compile makes GPU kernels
    (CUDA with Triton, `fused_activation_available`) and off on CPU, where it would only add an inductor
-   C++ compile to the first step. Rotary fusion (`apply_rope_fusion`) needs TE and stays off.
-   Gradient-accumulation fusion (`gradient_accumulation_fusion`) gets a torch provider in Apex's place
-   (`wgrad_fusion.py`: the weight-gradient GEMM writes into the fp32 `main_grad`), on by default on CUDA
-   with torch's bf16 -> fp32 GEMM and set by its megatron option. Models built without DDP have no
-   `main_grad`: `build_model` computes their weight gradients unfused.
+   C++ compile to the first step. Two more get torch providers in TE's and Apex's place, on by default
+   under the same condition and turned on or off by their megatron options: rotary fusion
+   (`apply_rope_fusion`, `rope_fusion.py`: a torch.compile'd rotation) and gradient-accumulation fusion
+   (`gradient_accumulation_fusion`, `wgrad_fusion.py`: the weight-gradient GEMM writes into the fp32
+   `main_grad`; CUDA with torch's bf16 -> fp32 GEMM). Models built without DDP have no `main_grad`:
+   `build_model` computes their weight gradients unfused.
 5. LoRA adapters (`lora.py`) are parameters mbridge has no HF name for: its local -> global name map
    leaves them out, so loading HF weights fills the base and never touches an adapter.
 
@@ -55,7 +56,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from slime.backends.megatron import wgrad_fusion
+    from slime.backends.megatron import rope_fusion, wgrad_fusion
     from slime.backends.megatron.attention import with_sdpa
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
@@ -180,8 +181,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     options = model_options(megatron or {})
-    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,  # fix 4
-                      persist_layer_norm=False, bias_activation_fusion=fused_activation_available(),
+    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
+                      bias_activation_fusion=fused_activation_available(),
+                      apply_rope_fusion=rope_fusion.available() and not options.get("rotary_interleaved"),
                       gradient_accumulation_fusion=wgrad_fusion.available())
     if not torch.cuda.is_available():
         fusion_off["use_cpu_initialization"] = True
@@ -195,6 +197,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
                               "shape comes from its HF config; drop the flag or fix it")
     chosen = {**fusion_off, **options}  # the config's options over the fusion defaults
     wgrad_fusion.check_options(chosen)
+    if chosen["apply_rope_fusion"] and not rope_fusion.install():
+        logger.info("apply_rope_fusion: Transformer Engine's rotary kernel")
     if chosen["gradient_accumulation_fusion"] and not wgrad_fusion.install():
         logger.info("gradient_accumulation_fusion: Apex's fused_weight_gradient_mlp_cuda")
     bridge.set_extra_args(**chosen)
