@@ -5,7 +5,8 @@
     python checkpoint_resume.py checks HF_DIR SAVE OTHER_HF_DIR               the refusals (one rank)
     ... --lora                                                                LoRA adapters (rank 4) on the
                                                                               frozen base: adapters-only saves
-    ... --fused-adam                                                          torch's fused AdamW kernel
+    ... --fused-adam                                                          torch's fused AdamW kernel (the
+                                                                              default only on CUDA)
 
 Adam with warmup + cosine (fp32, CPU) on random tokens. After every step (and right after the save /
 the load) it prints one JSON line: sha256 of the weights and of the optimizer state, the learning
@@ -83,7 +84,7 @@ def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: boo
     config = load_config(None, ["--lr", str(lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
                                 *(["--use-distributed-optimizer"] if distributed else []),
-                                "--fused-adam", str(fused_adam).lower()])
+                                *(["--fused-adam"] if fused_adam else [])])  # else the default: fused on CUDA
     bridge = make_bridge(hf_dir)
     spec = lora.LoraSpec(rank=4, alpha=8.0, dropout=0.1, targets=("linear_qkv", "linear_fc2"), seed=7)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True,
