@@ -4,6 +4,9 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron gradient_accumulation_fusion=false
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
@@ -28,7 +31,9 @@ sequence, responses the rest. Prints one JSON line per configuration:
 With `--lora-rank R` every linear layer gets rank-R adapters on the frozen base (docs/lora.md): the
 base's weight gradients are skipped, so the same MFU formula (6 x params) overstates the work done;
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
-Needs CUDA (no Ray, no Prefect).
+`--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
+apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
+the JSON line says which ran. Needs CUDA (no Ray, no Prefect).
 """
 
 from __future__ import annotations
@@ -55,9 +60,12 @@ def main() -> None:
                         help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
+                        help="train.fused_adam: torch's fused AdamW kernel (default: on under CUDA without Apex/TE)")
     parser.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
                         help="a model option of the config's megatron section (a TransformerConfig field, the value "
-                             "read as YAML), as a run would set it, e.g. recompute_granularity=selective; repeatable")
+                             "read as YAML), as a run would set it, e.g. gradient_accumulation_fusion=false, "
+                             "apply_rope_fusion=false, recompute_granularity=selective; repeatable")
     args = parser.parse_args()
     megatron = megatron_options(args.megatron)
     if not torch.cuda.is_available():
@@ -68,7 +76,7 @@ def main() -> None:
 
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
-    from slime.backends.megatron.optimizer import build_optimizer
+    from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
@@ -82,7 +90,10 @@ def main() -> None:
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
         ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
-    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True)
+    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
+    kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
+               "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
+               "rope_fusion": bridge.config.apply_rope_fusion}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
@@ -126,7 +137,7 @@ def main() -> None:
             **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
                          peak_tflops=args.peak_tflops, forward_passes=2 if grpo else 0),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-            "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **extra,
+            "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **kernels, **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
 
 

@@ -395,6 +395,9 @@ class TrainConfig(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.98, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
+    fused_adam: bool | None = Field(None, description="torch's fused AdamW kernel in place of the foreach one "
+                                                      "megatron builds without Apex/TE; None: on under CUDA "
+                                                      "(slime/backends/megatron/optimizer.py)")
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = Field(
         "constant", description="megatron-core OptimizerParamScheduler; stepped once per optimizer step")
     lr_warmup_iters: int = Field(0, ge=0, description="linear warmup from lr_warmup_init to lr, in optimizer steps")

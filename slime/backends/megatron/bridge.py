@@ -13,7 +13,12 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
    (`bias_activation_fusion`, `megatron.core.fusions.fused_bias_swiglu`, bias or not) needs neither: it
    is `torch.compile`d (`megatron.core.jit.jit_fuser`), so it is on where torch.compile makes GPU kernels
    (CUDA with Triton, `fused_activation_available`) and off on CPU, where it would only add an inductor
-   C++ compile to the first step. Rotary fusion (`apply_rope_fusion`) needs TE and stays off.
+   C++ compile to the first step. Two more get torch providers in TE's and Apex's place, on by default
+   under the same condition and turned on or off by their megatron options: rotary fusion
+   (`apply_rope_fusion`, `rope_fusion.py`: a torch.compile'd rotation) and gradient-accumulation fusion
+   (`gradient_accumulation_fusion`, `wgrad_fusion.py`: the weight-gradient GEMM writes into the fp32
+   `main_grad`; CUDA with torch's bf16 -> fp32 GEMM). Models built without DDP have no `main_grad`:
+   `build_model` computes their weight gradients unfused.
 5. LoRA adapters (`lora.py`) are parameters mbridge has no HF name for: its local -> global name map
    leaves them out, so loading HF weights fills the base and never touches an adapter.
 
@@ -51,6 +56,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from slime.backends.megatron import rope_fusion, wgrad_fusion
     from slime.backends.megatron.attention import with_sdpa
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
@@ -142,14 +148,14 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atte
 
 def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
     """The Megatron pass-through options (`Config.megatron`) that configure the model: fields of megatron-core's
-    `TransformerConfig` itself (recompute, dropout, fusions, ...). Those of its `ModelParallelConfig` base
-    (parallel sizes, dtype) are set by `init_megatron` and the bridge; the rest (optimizer, scheduler) are
-    not the model's."""
+    `TransformerConfig` itself (recompute, dropout, fusions, ...), and `gradient_accumulation_fusion`, the one
+    fusion of its `ModelParallelConfig` base. That base's other fields (parallel sizes, dtype) are set by
+    `init_megatron` and the bridge; the rest (optimizer, scheduler) are not the model's."""
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     own = {f.name for f in dataclasses.fields(TransformerConfig)} - {f.name for f in dataclasses.fields(ModelParallelConfig)}
-    return {name: value for name, value in megatron.items() if name in own}
+    return {name: value for name, value in megatron.items() if name in own | {"gradient_accumulation_fusion"}}
 
 
 def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int | None = 128,
@@ -174,21 +180,28 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
                                  "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
-    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,  # fix 4
-                      gradient_accumulation_fusion=False, persist_layer_norm=False,
-                      bias_activation_fusion=fused_activation_available())
+    options = model_options(megatron or {})
+    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
+                      bias_activation_fusion=fused_activation_available(),
+                      apply_rope_fusion=rope_fusion.available() and not options.get("rotary_interleaved"),
+                      gradient_accumulation_fusion=wgrad_fusion.available())
     if not torch.cuda.is_available():
         fusion_off["use_cpu_initialization"] = True
     # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
     # train step's log-probs read full-sequence outputs
     fusion_off["sequence_parallel"] = False
-    options = model_options(megatron or {})
     for name in sorted(set(options) & set(ARCHITECTURE_FIELDS)):
         given, actual = options.pop(name), getattr(bridge.config, name, None)
         if given != actual:
             raise ConfigError(f"megatron.{name}={given!r}, but the checkpoint {hf_dir} gives {actual!r}: the model's "
                               "shape comes from its HF config; drop the flag or fix it")
-    bridge.set_extra_args(**{**fusion_off, **options})  # the config's options over the fusion defaults
+    chosen = {**fusion_off, **options}  # the config's options over the fusion defaults
+    wgrad_fusion.check_options(chosen)
+    if chosen["apply_rope_fusion"] and not rope_fusion.install():
+        logger.info("apply_rope_fusion: Transformer Engine's rotary kernel")
+    if chosen["gradient_accumulation_fusion"] and not wgrad_fusion.install():
+        logger.info("gradient_accumulation_fusion: Apex's fused_weight_gradient_mlp_cuda")
+    bridge.set_extra_args(**chosen)
     name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
         k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}
@@ -221,6 +234,11 @@ def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = Fa
     models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                               use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config,
                               post_model_creation_callbacks=[post_create] if post_create else [])
+    if not wrap_with_ddp:  # no DDP, no main_grad to accumulate into: weight gradients the unfused way
+        for model in models:
+            for module in model.modules():
+                if getattr(module, "gradient_accumulation_fusion", False):
+                    module.gradient_accumulation_fusion = False
     if hf_dir is not None:
         bridge.load_weights(models, hf_dir)
     return models

@@ -24,6 +24,15 @@ and one `.item()` (a GPU->host synchronisation) per gradient, and a multiply and
 it clips. `use_foreach_clipping` (called by `build_optimizer`) puts torch's multi-tensor (foreach) ops in
 their place: the same norm and scaling, a few kernels and no synchronisation per parameter (issue 18: the
 LoRA step, 224 adapter tensors at 1.5B, is launch-bound).
+
+Without Apex or Transformer Engine megatron also builds torch's AdamW with its defaults: the foreach
+(multi-tensor) kernels on CUDA. `use_fused_adam` (train.fused_adam, on by default where CUDA has no
+Apex/TE) switches its param groups to torch's fused AdamW kernel, one kernel per device and dtype for the
+whole update. The fused kernel wants each `step` as a float32 tensor on its parameter's device, where
+torch's other kernels keep it on the CPU: `init_optimizer_state` creates it there, and a post-hook on the
+torch optimizer's `load_state_dict` puts back the chosen kernel and the steps' device after a load (torch
+takes every param group option, `fused` included, from the saved state; a checkpoint written with one
+kernel resumes with the other). Checkpoints hold the step's value only, so they do not depend on it.
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ logger = logging.getLogger(__name__)
 def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: float, weight_decay: float = 0.0,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.98, adam_eps: float = 1e-8,
                     bf16: bool = False, optimizer: str = "adam", use_distributed_optimizer: bool = False,
-                    min_lr: float = 0.0) -> Any:
+                    min_lr: float = 0.0, fused_adam: bool | None = None) -> Any:
     """Megatron's optimizer for DDP-wrapped model chunks (AdamW, or plain SGD without momentum; fp32 master
     weights under bf16). `use_distributed_optimizer` must match the DDP buffers (`build_model`); `lr` and
-    `min_lr` also become each param group's `max_lr`/`min_lr`, which the scheduler reads."""
+    `min_lr` also become each param group's `max_lr`/`min_lr`, which the scheduler reads. `fused_adam`:
+    torch's fused AdamW kernel (None: where `fused_adam_default` says so), see `use_fused_adam`."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config
@@ -63,10 +73,67 @@ def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: floa
     for inner in _leaves(megatron_optimizer):
         if _is_distributed(inner):
             inner._set_main_param_and_optimizer_states = types.MethodType(_set_main_param_and_states, inner)  # fix 2
+    if optimizer == "adam":
+        use_fused_adam(megatron_optimizer, fused_adam_default() if fused_adam is None else fused_adam)
     model_config = get_model_config(models[0])
     model_config.finalize_model_grads_func = finalize_model_grads  # DDP gradient sync before the step
     model_config.grad_scale_func = megatron_optimizer.scale_loss
     return megatron_optimizer
+
+
+def fused_adam_default() -> bool:
+    """torch's fused AdamW where megatron falls back to torch's optimizer (no Apex/TE FusedAdam) on CUDA."""
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+    return torch.cuda.is_available() and USING_PYTORCH_OPTIMIZER
+
+
+def use_fused_adam(optimizer: Any, fused: bool) -> None:
+    """Run every torch Adam/AdamW inside megatron's `optimizer` with torch's fused kernel (`fused`) or with
+    torch's default choice (foreach on CUDA, as megatron builds it), and keep it so across checkpoint loads.
+    Same update either way; the kernels differ in rounding only."""
+    adams = [o for o in torch_optimizers(optimizer) if isinstance(o, torch.optim.Adam)]
+    if fused and not adams and torch_optimizers(optimizer):
+        raise ConfigError("train.fused_adam: megatron's optimizer here is not torch's Adam (Apex or Transformer "
+                          "Engine provides FusedAdam); leave fused_adam unset")
+    for adam in adams:
+        if fused:
+            for group in adam.param_groups:
+                for param in group["params"]:
+                    if param.device.type not in _fused_devices() or not torch.is_floating_point(param):
+                        raise ConfigError(f"train.fused_adam: torch's fused AdamW has no kernel for {param.dtype} "
+                                          f"parameters on {param.device.type} (it has {_fused_devices()})")
+        adam._slime_fused = fused  # what the load hook restores
+        if not getattr(adam, "_slime_fused_hook", False):
+            adam.register_load_state_dict_post_hook(_restore_kernel)
+            adam._slime_fused_hook = True
+        _restore_kernel(adam)
+
+
+def _restore_kernel(adam: torch.optim.Optimizer) -> None:
+    """The chosen kernel's group options, and each `step` where that kernel wants it (own tensor each)."""
+    fused = adam._slime_fused
+    for group in adam.param_groups:
+        group["fused"], group["foreach"] = (True, False) if fused else (None, None)
+        for param in group["params"]:
+            state = adam.state.get(param)
+            if state and isinstance(state.get("step"), torch.Tensor):
+                state["step"] = _step_tensor(state["step"], group, param)
+
+
+def _step_tensor(value: torch.Tensor | float, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """A new float32 `step` tensor: on the parameter's device for the fused (or capturable) kernel, else on the
+    CPU, as torch's Adam creates it."""
+    device = param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32, copy=True)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def _fused_devices() -> list[str]:
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
 
 
 def use_foreach_clipping() -> bool:
@@ -140,7 +207,8 @@ def build_optimizer_and_scheduler(models: list[torch.nn.Module], config: Config,
     optimizer = build_optimizer(models, lr=t.lr, clip_grad=t.clip_grad, weight_decay=t.weight_decay,
                                 adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                                 bf16=bool(config.megatron.get("bf16")), optimizer=t.optimizer,
-                                use_distributed_optimizer=t.use_distributed_optimizer, min_lr=t.min_lr)
+                                use_distributed_optimizer=t.use_distributed_optimizer, min_lr=t.min_lr,
+                                fused_adam=t.fused_adam)
     return optimizer, build_scheduler(optimizer, t, total_steps)
 
 
@@ -170,7 +238,7 @@ def init_optimizer_state(optimizer: Any) -> None:
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = _step_tensor(0.0, group, param)
 
 
 def reset_optimizer_states(optimizer: Any) -> None:
@@ -201,7 +269,7 @@ def untie_adam_steps(optimizer: Any) -> None:
             continue
         for state in inner.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].detach().clone()
+                state["step"] = state["step"].detach().clone()  # same device: the load hook placed it
 
 
 def _set_main_param_and_states(self: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:

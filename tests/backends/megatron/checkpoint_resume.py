@@ -5,6 +5,8 @@
     python checkpoint_resume.py checks HF_DIR SAVE OTHER_HF_DIR               the refusals (one rank)
     ... --lora                                                                LoRA adapters (rank 4) on the
                                                                               frozen base: adapters-only saves
+    ... --fused-adam                                                          torch's fused AdamW kernel (the
+                                                                              default only on CUDA)
 
 Adam with warmup + cosine (fp32, CPU) on random tokens. After every step (and right after the save /
 the load) it prints one JSON line: sha256 of the weights and of the optimizer state, the learning
@@ -70,17 +72,19 @@ def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None
         draws.append(torch.rand(1, device="cuda").item())
     print(json.dumps({"rank": rank, "step": step, "where": where, "weights": digest(models[0].parameters()),
                       "optimizer": optimizer_digest(optimizer), "lr": optimizer.param_groups[0]["lr"],
-                      "draws": draws, **extra}), flush=True)
+                      "fused": bool(optimizer.optimizer.param_groups[0].get("fused")), "draws": draws, **extra}),
+          flush=True)
 
 
-def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False):
+def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False, fused_adam: bool = False):
     rank, world, init_method = rank_env()
     if torch.cuda.is_available():  # bit-exactness on a GPU also needs deterministic kernels
         torch.use_deterministic_algorithms(True)
     init_megatron(seed=7, rank=rank, world_size=world, init_method=init_method)
     config = load_config(None, ["--lr", str(lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
-                                *(["--use-distributed-optimizer"] if distributed else [])])
+                                *(["--use-distributed-optimizer"] if distributed else []),
+                                *(["--fused-adam"] if fused_adam else [])])  # else the default: fused on CUDA
     bridge = make_bridge(hf_dir)
     spec = lora.LoraSpec(rank=4, alpha=8.0, dropout=0.1, targets=("linear_qkv", "linear_fc2"), seed=7)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True,
@@ -108,8 +112,10 @@ def main() -> None:
     parser.add_argument("other_hf_dir", nargs="?")
     parser.add_argument("--distributed", default=None, choices=["dp_reshardable", "fully_reshardable"])
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--fused-adam", action="store_true")
     args = parser.parse_args()
-    rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora)
+    rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora,
+                                                              fused_adam=args.fused_adam)
     full = f"{args.save}/full"
     if args.mode == "run":
         for k in range(1, STEPS + 1):

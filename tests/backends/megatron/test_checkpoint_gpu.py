@@ -1,5 +1,6 @@
 """Bit-exact resume on CUDA (pytest -m gpu): the one-rank resume of test_checkpoint_resume.py with the
-model, optimizer and the CUDA generators on the GPU (fp32, deterministic kernels)."""
+model, optimizer and the CUDA generators on the GPU (fp32, deterministic kernels), with CUDA's default
+fused AdamW, whose `step` tensors live on the GPU."""
 
 import pytest
 import torch
@@ -17,3 +18,4 @@ def test_one_rank_resume_is_bit_exact_on_cuda(tiny_kit, tmp_path):
     resume = run_ranks(SCRIPT, 1, ["resume", str(tiny_kit.model_dir), str(tmp_path)], timeout=600, env=env)
     assert_bit_exact(run, resume)
     assert all(len(row["draws"]) == 4 for row in run[0] + resume[0])  # the CUDA generator was drawn from too
+    assert all(row["fused"] for row in run[0] + resume[0])  # CUDA's default: fused AdamW, steps on the GPU

@@ -46,6 +46,7 @@ def one_rank(tiny_kit, tmp_path_factory):
 def test_one_rank_resume_is_bit_exact(one_rank):
     _, run, resume = one_rank
     assert_bit_exact(run, resume)
+    assert not any(row["fused"] for rows in (*run, *resume) for row in rows)  # CPU default: torch's for-loop Adam
 
 
 @pytest.mark.parametrize("sharding", ["dp_reshardable", pytest.param("fully_reshardable", marks=pytest.mark.slow)])
@@ -59,6 +60,20 @@ def test_two_ranks_distributed_optimizer_resume_is_bit_exact(tiny_kit, tmp_path,
     assert manifest["metadata"]["optimizer_sharding"] == sharding
     assert manifest["metadata"]["parallel"]["data_parallel_size"] == 2
     assert manifest["metadata"]["parallel"]["use_distributed_optimizer"] is True
+
+
+def test_two_ranks_distributed_optimizer_resume_with_fused_adam_is_bit_exact(tiny_kit, tmp_path):
+    run, resume = run_and_resume(tiny_kit.model_dir, tmp_path, 2, "--distributed", "dp_reshardable", "--fused-adam")
+    assert_bit_exact(run, resume)
+    assert all(row["fused"] for rows in (*run, *resume) for row in rows)
+
+
+def test_one_rank_resume_with_fused_adam_is_bit_exact(tiny_kit, tmp_path):
+    """train.fused_adam: torch's fused AdamW kernel (its `step` tensors live on the parameters' device) saves
+    and resumes bit-exactly too, and stays the kernel after the load."""
+    run, resume = run_and_resume(tiny_kit.model_dir, tmp_path, 1, "--fused-adam")
+    assert_bit_exact(run, resume)
+    assert all(row["fused"] for rows in (*run, *resume) for row in rows)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,69 @@
+"""megatron's rotary-embedding fusion (`apply_rope_fusion`) as a torch.compile'd function instead of Transformer
+Engine's kernel.
+
+Without TE, megatron applies rotary embeddings with its unfused `_apply_rotary_pos_emb_bshd`
+(`megatron.core.models.common.embeddings.rope_utils`): per query and key of every layer, cos and sin of the
+frequencies, `t * cos`, the half rotation `cat((-x2, x1))`, `* sin`, the sum, and a final `cat` with the
+(usually empty) unrotated tail that copies the whole tensor again; as many elementwise kernels backward. The
+profile of the 1.5B step (docs/benchmarks.md) has 42 ms of `cat` and most of 77 ms of `mul` here.
+
+`rotary` is the same arithmetic as megatron's (mscale 1, no multi-latent attention: what megatron routes to a
+fused kernel); `fused_apply_rotary_pos_emb` is it compiled by torch.compile, which on CUDA with Triton makes
+one pointwise kernel forward and one backward. `install()` puts it where megatron's `apply_rotary_pos_emb`
+looks for TE's (the module global `fused_apply_rotary_pos_emb`), so `apply_rope_fusion` turns it on.
+Packed (THD) sequences need TE's THD kernel, which this does not provide; slime's batches are right-padded
+(the SDPA attention refuses packed sequences), so megatron never asks for it.
+
+Numerics: eager, `rotary` computes megatron's values bit for bit (tested on CPU). Compiled, inductor keeps the
+bf16 cos/sin casts but not the bf16 rounding of the intermediate products, so `t * cos + rot * sin` is
+rounded once instead of three times: within one bf16 rounding of megatron's output (fp32: equal to rounding).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of `t` [seq, batch, heads, dim] by `freqs` [seq, 1, 1, rot_dim] (fp32 angles): the first
+    rot_dim channels rotated by pairs (halves, or adjacent channels when `interleaved`), the rest unchanged."""
+    rot_dim = freqs.shape[-1]
+    x = t[..., :rot_dim]
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    if interleaved:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    out = x * cos + rotated * sin
+    if rot_dim == t.shape[-1]:
+        return out  # megatron concatenates the empty tail too: a full copy
+    return torch.cat((out, t[..., rot_dim:]), dim=-1)
+
+
+_compiled = torch.compile(rotary)
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """TE's `fused_apply_rotary_pos_emb(t, freqs, interleaved=...)` signature, as megatron calls it."""
+    return _compiled(t, freqs, interleaved)
+
+
+def install() -> bool:
+    """Let megatron's `apply_rope_fusion` use `fused_apply_rotary_pos_emb` (idempotent); False where TE provides
+    its kernel and that is used instead."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    current = rope_utils.fused_apply_rotary_pos_emb
+    if current is not None and current is not fused_apply_rotary_pos_emb:
+        return False
+    rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    return True
+
+
+def available() -> bool:
+    """Whether the fusion is on by default: where torch.compile makes GPU kernels (CUDA with Triton)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
