@@ -142,15 +142,23 @@ def main() -> None:
 
 
 def megatron_options(pairs: list[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings as the megatron section's entries (values parsed as YAML: numbers, booleans, lists)."""
+    """`KEY=VALUE` strings as the megatron section's entries (values parsed as YAML: numbers, booleans, lists);
+    a key that is no model option (`bridge.model_options` would drop it) is refused, so a typo cannot time the
+    default instead."""
     import yaml
+
+    from slime.backends.megatron.bridge import model_options
 
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise SystemExit(f"--megatron {pair!r}: expected KEY=VALUE")
         options[key.strip()] = yaml.safe_load(value)
+    unknown = sorted(set(options) - set(model_options(options)))
+    if unknown:
+        raise SystemExit(f"--megatron {', '.join(unknown)}: not a model option (a field of megatron-core's "
+                         "TransformerConfig, or gradient_accumulation_fusion)")
     return options
 
 

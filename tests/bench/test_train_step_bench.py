@@ -34,3 +34,5 @@ def test_megatron_options_are_read_as_the_config_reads_them():
         "recompute_modules": ["core_attn", "mlp"]}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         megatron_options(["recompute_granularity"])
+    with pytest.raises(SystemExit, match="cuda_graph_imp: not a model option"):
+        megatron_options(["cuda_graph_imp=local"])  # a typo must not time the default
