@@ -47,15 +47,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens:
     """One optimizer step on `tokens` [global_batch, seq]: micro-batches accumulate the gradient of the
     mean next-token loss; returns that loss."""
     chunks = tokens.split(micro_batch)
-    total = 0.0
+    total = torch.zeros((), device=tokens.device)
     for chunk in chunks:
         loss = model(input_ids=chunk, labels=chunk).loss / len(chunks)
         loss.backward()
-        total += float(loss.detach())
+        total += loss.detach()  # read once after the step: a read per micro-batch would wait for the GPU each time
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return float(total)
 
 
 def main() -> None:
