@@ -181,21 +181,21 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     options = model_options(megatron or {})
-    fusion_off = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
-                      bias_activation_fusion=fused_activation_available(),
-                      apply_rope_fusion=rope_fusion.available() and not options.get("rotary_interleaved"),
-                      gradient_accumulation_fusion=wgrad_fusion.available())
+    defaults = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
+                    bias_activation_fusion=fused_activation_available(),
+                    apply_rope_fusion=fused_activation_available() and not options.get("rotary_interleaved"),
+                    gradient_accumulation_fusion=wgrad_fusion.available())
     if not torch.cuda.is_available():
-        fusion_off["use_cpu_initialization"] = True
+        defaults["use_cpu_initialization"] = True
     # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
     # train step's log-probs read full-sequence outputs
-    fusion_off["sequence_parallel"] = False
+    defaults["sequence_parallel"] = False
     for name in sorted(set(options) & set(ARCHITECTURE_FIELDS)):
         given, actual = options.pop(name), getattr(bridge.config, name, None)
         if given != actual:
             raise ConfigError(f"megatron.{name}={given!r}, but the checkpoint {hf_dir} gives {actual!r}: the model's "
                               "shape comes from its HF config; drop the flag or fix it")
-    chosen = {**fusion_off, **options}  # the config's options over the fusion defaults
+    chosen = {**defaults, **options}  # the config's options over the fusion defaults
     wgrad_fusion.check_options(chosen)
     if chosen["apply_rope_fusion"] and not rope_fusion.install():
         logger.info("apply_rope_fusion: Transformer Engine's rotary kernel")
@@ -209,8 +209,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
 
 
 def fused_activation_available() -> bool:
-    """Whether megatron's torch.compile'd SwiGLU runs as a fused GPU kernel here: CUDA, and Triton for
-    inductor to generate it with."""
+    """Whether megatron's torch.compile'd fusions (SwiGLU, and the rotary provider of `rope_fusion`) run as fused
+    GPU kernels here: CUDA, and Triton for inductor to generate them with."""
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 

@@ -21,8 +21,6 @@ rounded once instead of three times: within one bf16 rounding of megatron's outp
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 
@@ -62,8 +60,3 @@ def install() -> bool:
         return False
     rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
     return True
-
-
-def available() -> bool:
-    """Whether the fusion is on by default: where torch.compile makes GPU kernels (CUDA with Triton)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

@@ -11,7 +11,7 @@ import sys
 from option_parity import logits_and_grads
 
 from slime.backends.megatron import rope_fusion
-from slime.backends.megatron.bridge import init_megatron
+from slime.backends.megatron.bridge import fused_activation_available, init_megatron
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
                       "grad_scale": max(g.abs().max().item() for g in plain_grads.values()),
                       "layers": fused_config.num_layers, "plain_calls": plain_calls,
                       "fused_calls": len(calls) - plain_calls, "plain_flag": bool(plain_config.apply_rope_fusion),
-                      "fused_flag": bool(fused_config.apply_rope_fusion), "available": rope_fusion.available()}),
+                      "fused_flag": bool(fused_config.apply_rope_fusion), "available": fused_activation_available()}),
           flush=True)
 
 

@@ -8,6 +8,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from slime.backends.megatron import rope_fusion
+from slime.backends.megatron.bridge import fused_activation_available
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +24,7 @@ def _fwd_bwd(fn, t, freqs, grad):
 def test_compiled_rotary_matches_megatrons_on_cuda(heads):
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
-    assert rope_fusion.available()
+    assert fused_activation_available()
     g = torch.Generator(device="cuda").manual_seed(0)
     t = torch.randn(4096, 1, heads, 128, device="cuda", generator=g).bfloat16()
     inv = 1.0 / (1000000 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
