@@ -146,7 +146,8 @@ class Scheduler:
         # memory release parks those buffers (`fusion.weight_slots`)
         self.projections = ProjectionFusion(model) if self.kv_cache == "slots" and fuse_projections else None
         if self.projections is not None and device.type == "cuda":
-            torch.cuda.empty_cache()  # the members' old storage, freed layer by layer
+            with torch.cuda.device(device):  # the members' old storage, freed layer by layer
+                torch.cuda.empty_cache()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self._arrivals = itertools.count()
