@@ -161,6 +161,8 @@ def main() -> None:
                         help="the engine's KV cache (auto: slots with CUDA graphs on CUDA)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="engine: wait for each step's tokens before launching the next decode")
+    parser.add_argument("--disable-fused-projections", action="store_true",
+                        help="engine: q/k/v and gate/up as separate GEMMs in the decode step (the baseline)")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes sharing the requests (1: the benchmark's own event loop)")
     args = parser.parse_args()
@@ -180,11 +182,13 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
         model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine_flags = [flag for flag, on in (("--disable-overlap-schedule", args.disable_overlap_schedule),
+                                          ("--disable-fused-projections", args.disable_fused_projections)) if on]
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),
                                             kv_cache=args.kv_cache,
-                                            extra_args=["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
+                                            extra_args=engine_flags)
         driver = HttpDriver(url, len(prompts), args.client_procs)
         try:
             engine_times, generate_times = [], []
@@ -207,7 +211,8 @@ def main() -> None:
 
         engine = BuiltinEngine(EngineArgs(model_path=args.model, device=args.device, dtype=args.dtype,
                                           max_running_requests=max(256, args.requests), kv_cache=args.kv_cache,
-                                          disable_overlap_schedule=args.disable_overlap_schedule))
+                                          disable_overlap_schedule=args.disable_overlap_schedule,
+                                          disable_fused_projections=args.disable_fused_projections))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
             scheduler = engine.scheduler

@@ -22,12 +22,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
+from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
 from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
-from slime.offload import HostParking, module_slots
+from slime.offload import HostParking
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
+    disable_fused_projections: bool = False  # slot mode: q/k/v and gate/up as the modules' own GEMMs (fusion.py)
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
@@ -99,7 +101,7 @@ class BuiltinEngine:
             self.model, self.tokenizer, device=self.device, seed=args.random_seed,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
-            overlap=not args.disable_overlap_schedule,
+            overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
@@ -307,7 +309,8 @@ class BuiltinEngine:
         self.scheduler.set_released(True)
         if self.device.type == "cuda":  # the slot cache and its graphs point at the old weights: rebuilt later
             self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(),
-                                                self.parking.park(module_slots(self.model)))).result()
+                                                self.parking.park(weight_slots(self.model,
+                                                                               self.scheduler.projections)))).result()
             with torch.cuda.device(self.device):  # this HTTP worker thread's current device may be another
                 torch.cuda.empty_cache()
 

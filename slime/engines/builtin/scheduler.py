@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
 from slime.engines.builtin.slots import SlotDecoder, slot_support
 
@@ -119,6 +120,7 @@ class Scheduler:
         cuda_graphs: bool = True,
         max_slot_len: int = 4096,
         overlap: bool = True,
+        fuse_projections: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -140,6 +142,12 @@ class Scheduler:
         self.cuda_graphs = cuda_graphs
         self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
         self._slots: SlotDecoder | None = None
+        # slot mode: q/k/v and gate/up weights made views into one buffer each, once (fusion.py); the
+        # memory release parks those buffers (`fusion.weight_slots`)
+        self.projections = ProjectionFusion(model) if self.kv_cache == "slots" and fuse_projections else None
+        if self.projections is not None and device.type == "cuda":
+            with torch.cuda.device(device):  # the members' old storage, freed layer by layer
+                torch.cuda.empty_cache()
         self.eos_ids = self._eos_ids()
         self.weight_version = "default"
         self._arrivals = itertools.count()
@@ -553,7 +561,8 @@ class Scheduler:
         """Copy the prefilled rows' keys/values into the next free slots."""
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
-                                      device=self.device, cuda_graphs=self.cuda_graphs)
+                                      device=self.device, cuda_graphs=self.cuda_graphs,
+                                      projections=self.projections)
         old = self._batch or _SlotBatch([], new.next_tokens[:0], [])
         lengths = [int(n) for n in new.mask.sum(dim=1).tolist()]
         self._slots.write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=len(old.requests))

@@ -23,6 +23,9 @@ microseconds whatever its work: the eager modules launch ~40 per layer (an RMSNo
 elementwise kernels). On CUDA the elementwise pieces (residual add + RMSNorm, rotary embedding,
 SiLU x up) are therefore `torch.compile`d once, with dynamic shapes, into one kernel each before the
 graphs are captured (same formulas as the `transformers` modules; `fuse=False` keeps the modules).
+And where the scheduler fused the projections (`fusion.py`: each layer's q/k/v weights one buffer,
+gate/up another, the modules' parameters views into them), q/k/v is one GEMM and gate/up one, their
+outputs split, on CPU as on CUDA (`projections=None` keeps the modules' five GEMMs).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from slime.engines.builtin.fusion import ProjectionFusion
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +82,16 @@ class SlotDecoder:
     """The slot cache of one model and its decode step (graph-captured on CUDA)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, projections: ProjectionFusion | None = None) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
+        if projections is not None:  # the graphs will read the fused buffers: their views must hold
+            if len(projections.attention) != len(model.model.layers):
+                raise ValueError(f"projections fused for {len(projections.attention)} layers, the model has "
+                                 f"{len(model.model.layers)}")
+            projections.ensure_tied()
+        self.projections = projections
         self.model = model
         self.slots = slots
         self.max_len = max_len
@@ -190,10 +201,23 @@ class SlotDecoder:
         hidden = residual + delta
         return hidden, norm(hidden)
 
-    def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, layer: int, attention: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused = self.projections.attention[layer] if self.projections is not None else None
+        if fused is not None:
+            return fused(x)
+        return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+
+    def _mlp(self, layer: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        fused = self.projections.mlp[layer] if self.projections is not None else None
+        if fused is not None:
+            gate, up = fused(x)
+        elif self.fused and self._silu_mlp:
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        else:
+            return mlp(x)
         if self.fused and self._silu_mlp:
-            return mlp.down_proj(self._silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        return mlp(x)
+            return mlp.down_proj(self._silu_mul(gate, up))
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _step(self, batch: int, length: int) -> torch.Tensor:
         model = self.model.model
@@ -205,11 +229,13 @@ class SlotDecoder:
         mask = (torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
         x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [model.norm]
-        for layer, keys, values, next_norm in zip(self.layers, self.keys, self.values, norms, strict=True):
+        for i, (layer, keys, values, next_norm) in enumerate(zip(self.layers, self.keys, self.values, norms,
+                                                                 strict=True)):
             attention = layer.self_attn
-            q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim)
-            k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
-            v = attention.v_proj(x).view(batch, 1, self.kv_heads, self.head_dim)
+            q, k, v = self._qkv(i, attention, x)
+            q = q.view(batch, 1, self.heads, self.head_dim)
+            k = k.view(batch, 1, self.kv_heads, self.head_dim)
+            v = v.view(batch, 1, self.kv_heads, self.head_dim)
             if hasattr(attention, "q_norm"):
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, D]
@@ -222,5 +248,5 @@ class SlotDecoder:
                                                  attn_mask=mask, scale=self.scaling)
             out = attention.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
             hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
-            hidden, x = self._add_norm(hidden, self._mlp(layer.mlp, x), next_norm)
+            hidden, x = self._add_norm(hidden, self._mlp(i, layer.mlp, x), next_norm)
         return self.model.lm_head(x)[:, 0]

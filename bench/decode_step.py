@@ -1,0 +1,82 @@
+"""The built-in engine's replayed decode graph alone, with and without fused projections, in one process.
+
+One random-weight Qwen2 of the given shape (bf16, CUDA) with its q/k/v and gate/up projections fused
+(`slime/engines/builtin/fusion.py`: the modules' parameters are views into the fused buffers, so both
+decoders below read the same weights); two slot decoders over it, one running the modules' five GEMMs per
+layer (`projections=None`, what `--disable-fused-projections` runs), one the two fused GEMMs. Keys and values
+random, every row at position 200 (length bucket 256, as the figures in docs/engines.md). For each batch size
+the graph of that bucket is replayed `--steps` times, timed by CUDA events (median per round), the two decoders
+alternating for `--rounds` rounds; printed: the median of the rounds' medians, and the largest logit gap
+between the two (a sanity check: the same weights, another GEMM split, bf16). CUDA only.
+
+    python bench/decode_step.py --random-qwen2 0.5b --batches 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
+from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.slots import SlotDecoder
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    """Median milliseconds of one replay (CUDA events around each)."""
+    for _ in range(10):
+        graph.replay()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in pairs:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--random-qwen2", default="0.5b", choices=sorted(QWEN2_SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-len", type=int, default=1024, help="slot length (graphs for every length bucket)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_random_qwen2(Path(tmp) / "model", args.random_qwen2, torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    fusion = ProjectionFusion(model)
+    slots = max(args.batches)
+    decoders = {}
+    with torch.inference_mode():
+        for name, projections in (("unfused", None), ("fused", fusion)):
+            decoder = SlotDecoder(model, slots=slots, max_len=args.max_len, device=torch.device("cuda"),
+                                  cuda_graphs=True, projections=projections)
+            generator = torch.Generator(device="cuda").manual_seed(0)
+            for cache in decoder.keys + decoder.values:
+                cache.normal_(generator=generator)
+            decoders[name] = decoder
+        tokens = torch.randint(0, model.config.vocab_size, (slots,), device="cuda",
+                               generator=torch.Generator(device="cuda").manual_seed(1))
+        for batch in args.batches:
+            logits = {name: d.decode(tokens[:batch], [200] * batch) for name, d in decoders.items()}  # captures
+            gap = (logits["fused"] - logits["unfused"]).abs().max().item()
+            bucket = next(b for b in decoders["fused"].batch_buckets if b >= batch)
+            graphs = {name: d._graphs[(bucket, 256)][0] for name, d in decoders.items()}
+            times: dict[str, list[float]] = {name: [] for name in graphs}
+            for _ in range(args.rounds):
+                for name, graph in graphs.items():
+                    times[name].append(replay_ms(graph, args.steps))
+            unfused, fused = (statistics.median(times[n]) for n in ("unfused", "fused"))
+            print(f"batch {batch:4d} (bucket {bucket}): unfused {unfused:.3f} ms, fused {fused:.3f} ms per replayed "
+                  f"step ({(unfused - fused) / unfused:+.1%}); max |logit gap| {gap:.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
