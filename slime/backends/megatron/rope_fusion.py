@@ -8,15 +8,19 @@ frequencies, `t * cos`, the half rotation `cat((-x2, x1))`, `* sin`, the sum, an
 profile of the 1.5B step (docs/benchmarks.md) has 42 ms of `cat` and most of 77 ms of `mul` here.
 
 `rotary` is the same arithmetic as megatron's (mscale 1, no multi-latent attention: what megatron routes to a
-fused kernel); `fused_apply_rotary_pos_emb` is it compiled by torch.compile, which on CUDA with Triton makes
-one pointwise kernel forward and one backward. `install()` puts it where megatron's `apply_rotary_pos_emb`
-looks for TE's (the module global `fused_apply_rotary_pos_emb`), so `apply_rope_fusion` turns it on.
-Packed (THD) sequences need TE's THD kernel, which this does not provide; slime's batches are right-padded
-(the SDPA attention refuses packed sequences), so megatron never asks for it.
+fused kernel), split in two: `cos_sin`, the angles' cosine and sine cast to the input's dtype, and `rotate`, the
+pointwise rotation by them. `fused_apply_rotary_pos_emb` computes `cos_sin` eagerly (megatron's kernels, so the
+bf16 cos/sin are megatron's bit for bit, which Triton's `cos`/`sin` need not be) and runs `rotate` compiled by
+torch.compile, which on CUDA with Triton makes one pointwise kernel forward and one backward. `install()` puts
+it where megatron's `apply_rotary_pos_emb` looks for TE's (the module global `fused_apply_rotary_pos_emb`), so
+`apply_rope_fusion` turns it on. Packed (THD) sequences need TE's THD kernel, which this does not provide;
+slime's batches are right-padded (the SDPA attention refuses packed sequences), so megatron never asks for it.
 
-Numerics: eager, `rotary` computes megatron's values bit for bit (tested on CPU). Compiled, inductor keeps the
-bf16 cos/sin casts but not the bf16 rounding of the intermediate products, so `t * cos + rot * sin` is
-rounded once instead of three times: within one bf16 rounding of megatron's output (fp32: equal to rounding).
+Numerics: eager, `rotary` computes megatron's values bit for bit (tested on CPU). Compiled, the products of the
+bf16 input with the bf16 cos/sin are exact in fp32 and their sum is rounded to bf16 once, where megatron rounds
+each product and the sum: the compiled result is within one bf16 rounding of the exact rotation of the same
+bf16 operands, forward and backward, and can differ from megatron's by a rounding of the *products* where they
+cancel: it is the more accurate of the two (tested against an fp64 rotation, on CPU and on CUDA).
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ from __future__ import annotations
 import torch
 
 
-def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding of `t` [seq, batch, heads, dim] by `freqs` [seq, 1, 1, rot_dim] (fp32 angles): the first
-    rot_dim channels rotated by pairs (halves, or adjacent channels when `interleaved`), the rest unchanged."""
-    rot_dim = freqs.shape[-1]
+def cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the fp32 angles `freqs`, cast to `dtype`, as megatron computes them."""
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`t` [seq, batch, heads, dim] rotated by `cos`/`sin` [seq, 1, 1, rot_dim]: the first rot_dim channels by
+    pairs (halves, or adjacent channels when `interleaved`), the rest unchanged."""
+    rot_dim = cos.shape[-1]
     x = t[..., :rot_dim]
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
     if interleaved:
         rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
     else:
@@ -42,12 +49,17 @@ def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> t
     return torch.cat((out, t[..., rot_dim:]), dim=-1)
 
 
-_compiled = torch.compile(rotary)
+def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of `t` [seq, batch, heads, dim] by `freqs` [seq, 1, 1, rot_dim] (fp32 angles), eager."""
+    return rotate(t, *cos_sin(freqs, t.dtype), interleaved)
+
+
+_compiled = torch.compile(rotate)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """TE's `fused_apply_rotary_pos_emb(t, freqs, interleaved=...)` signature, as megatron calls it."""
-    return _compiled(t, freqs, interleaved)
+    return _compiled(t, *cos_sin(freqs, t.dtype), interleaved)
 
 
 def install() -> bool:

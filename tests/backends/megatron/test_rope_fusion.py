@@ -5,6 +5,7 @@ provider, and the model's logits and gradients with the fusion equal the unfused
 import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
+from rope_reference import check_rounded_once, llama_inputs
 from script_rows import run_script
 
 from slime.backends.megatron import rope_fusion
@@ -40,12 +41,22 @@ def test_eager_rotary_is_megatrons_bit_for_bit(dtype, rot_dim, interleaved):
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)])
 def test_compiled_rotary_matches_megatrons(dtype, tol):
     """Compiled (inductor's C++ backend here), the intermediate products are not rounded to bf16: within one
-    bf16 rounding of megatron's values, forward and backward."""
+    bf16 rounding of megatron's values, forward and backward, at a small shape."""
     t, freqs = inputs(dtype, 16)
     ours = forward_backward(rope_fusion.fused_apply_rotary_pos_emb, t, freqs)
     theirs = forward_backward(rope_utils._apply_rotary_pos_emb_bshd, t, freqs)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def test_compiled_rotary_is_the_exact_rotation_rounded_once():
+    """At a Qwen2 shape (512 positions, theta 1e6, 128 channels) the two products cancel somewhere: there the
+    compiled rotation and megatron's differ by more than a rounding of the result (this once failed the GPU test
+    comparing the two), but the compiled output is within one bf16 rounding of the exact rotation, and megatron's
+    is not closer to it, forward or backward (the check test_rope_fusion_gpu.py makes on CUDA at 4096)."""
+    t, freqs, grad = llama_inputs(512, 4)
+    errors = check_rounded_once(t, freqs, grad)
+    assert errors["out_megatron"] > errors["out_ours"], errors  # megatron's three roundings show at this size
 
 
 def test_install_puts_the_provider_where_megatron_looks(monkeypatch):
