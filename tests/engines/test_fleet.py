@@ -48,3 +48,20 @@ def test_external_engine_serves_through_the_router_and_outlives_the_fleet(tiny_k
         assert process.alive and httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
         process.stop()
+
+
+def test_the_builtin_engine_runs_in_the_sglang_dtype(tiny_kit, tmp_path):
+    """`--sglang-dtype` reaches the built-in engine as it reaches SGLang (auto is fp32 on the CPU: bf16 shows it
+    was passed); a value neither runs in is refused when the config loads, naming the flag."""
+    from slime.engines.fleet import launch_engine
+
+    servers = []
+    config = load_config(None, ["--sglang-dtype", "bfloat16"])
+    try:
+        url = launch_engine(config, str(tiny_kit.model_dir), tmp_path / "engine.log", 0, [], keep=servers.append)
+        assert httpx.get(f"{url}/get_server_info", timeout=30).json()["dtype"] == "bfloat16"
+    finally:
+        for server in servers:
+            server.stop()
+    with pytest.raises(ConfigError, match=r"--sglang-dtype: sglang\.dtype: 'int8' is not a dtype the built-in engine"):
+        load_config(None, ["--sglang-dtype", "int8"])

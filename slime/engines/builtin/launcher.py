@@ -7,6 +7,11 @@ from pathlib import Path
 
 from slime.engines.process import ServerProcess, find_free_port, local_host, server_url, start_server
 
+# SGLang's --dtype values and the built-in engine's name for each (half and float are SGLang's aliases); "auto"
+# is bf16 on CUDA and fp32 on the CPU
+BUILTIN_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                  "float32": "float32", "float": "float32"}
+
 
 def start_builtin_engine(
     model_path: str,
