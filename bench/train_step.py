@@ -33,7 +33,8 @@ base's weight gradients are skipped, so the same MFU formula (6 x params) overst
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
 `--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
 apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
-the JSON line says which ran. Needs CUDA (no Ray, no Prefect).
+the JSON line says which ran. `--profile 30` then profiles one more step (torch.profiler) and prints its 30
+costliest GPU operations. Needs CUDA (no Ray, no Prefect).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main() -> None:
                         help="a model option of the config's megatron section (a TransformerConfig field, the value "
                              "read as YAML), as a run would set it, e.g. gradient_accumulation_fusion=false, "
                              "apply_rope_fusion=false, recompute_granularity=selective; repeatable")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after the timed steps, one more under torch.profiler: print its ROWS costliest "
+                             "GPU operations (self time, the whole step's GPU time first)")
     args = parser.parse_args()
     megatron = megatron_options(args.megatron)
     if not torch.cuda.is_available():
@@ -139,6 +143,27 @@ def main() -> None:
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **kernels, **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
+        if args.profile:
+            def step(samples: list[Sample] = samples, advantages: list[float] = advantages) -> None:
+                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size) \
+                    if grpo else None
+                train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
+            print_profile(step, args.profile)
+
+
+def print_profile(step: Any, rows: int) -> None:
+    """One `step()` under torch.profiler: the GPU time of the whole step, then the `rows` operations with the
+    most GPU self time (where a kernel is launched from, not what called it), as torch's table prints them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"profiled step: {total:.1f} ms of GPU time", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def megatron_options(pairs: list[str]) -> dict[str, Any]:
