@@ -95,7 +95,7 @@ def main() -> None:
         "plain_grad_norms": plain["grad_norms"], "graph_grad_norms": graphed["grad_norms"],
         "loss_gap": gap(graphed, plain, "losses"), "rerun_loss_gap": gap(again, plain, "losses"),
         "norm_gap": gap(graphed, plain, "grad_norms"), "rerun_norm_gap": gap(again, plain, "grad_norms"),
-        "first_loss_equal": graphed["losses"][0] == plain["losses"][0],
+        "first_loss_gap": abs(graphed["losses"][0] - plain["losses"][0]) / abs(plain["losses"][0]),
         "replays": graphed["replays"], "plain_replays": plain["replays"],
         "logprob_replays": graphed["logprob_replays"],
         "logprob_gap": (graphed["log_probs"] - plain["log_probs"]).abs().max().item(),

@@ -21,7 +21,7 @@ def test_graphed_steps_replay_each_layer_and_match_the_eager_losses(tiny_kit, mo
     per_step = 2 * row["layers"] * row["micro_batches"]
     assert row["replays"] == [0] + [per_step] * (row["steps"] - 1), row
     assert row["plain_replays"] == [0] * row["steps"] and row["logprob_replays"] == 0, row
-    assert row["first_loss_equal"], row  # the recording step is the eager step
+    assert row["first_loss_gap"] <= 1e-6, row  # the recording step computes what the eager step does
     assert row["graph_losses"][-1] < row["graph_losses"][0], row  # the replayed steps train
     # the same kernels, replayed: as close as two eager runs are (flash attention's backward is not bitwise
     # deterministic), with a floor for bf16 rounding of a different summation order
