@@ -220,9 +220,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
 def _check_graph_rng(options: dict[str, Any]) -> None:
     """Model options asking for CUDA graphs need CUDA and the graph-safe RNG tracker, which `init_megatron`
     seeds when it is given the same megatron options; say so instead of megatron's bare assertion."""
+    cuda_graphs.check_options(options)  # also refuses Transformer Engine's graphs, which are never "requested"
     if not cuda_graphs.requested(options):
         return
-    cuda_graphs.check_options(options)
     cuda_graphs.check_device(options)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_graph_safe_cuda_rng_tracker
 

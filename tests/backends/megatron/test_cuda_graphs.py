@@ -90,6 +90,8 @@ def test_the_bridge_refuses_graph_options_without_the_graph_safe_tracker(monkeyp
     monkeypatch.setattr(cuda_graphs, "check_device", lambda megatron: None)
     monkeypatch.setattr(mcore_random, "get_cuda_rng_tracker", lambda: mcore_random.CudaRNGStatesTracker())
     bridge._check_graph_rng({})  # no graphs asked: any tracker will do
+    with pytest.raises(ConfigError, match="megatron.cuda_graph_impl: Transformer Engine's graphs"):
+        bridge._check_graph_rng({"cuda_graph_impl": "transformer_engine"})  # bench/train_step.py has no config check
     with pytest.raises(ConfigError, match="graph-safe CUDA RNG tracker: pass the same megatron options to "
                                           "init_megatron"):
         bridge._check_graph_rng({"cuda_graph_impl": "local"})
