@@ -8,6 +8,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron gradient_accumulation_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64 --megatron cuda_graph_impl=local
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
 gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
@@ -33,8 +34,10 @@ base's weight gradients are skipped, so the same MFU formula (6 x params) overst
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
 `--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
 apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
-the JSON line says which ran. `--profile 30` then profiles one more step (torch.profiler) and prints its 30
-costliest GPU operations. Needs CUDA (no Ray, no Prefect).
+the JSON line says which ran. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
+graphs (slime/backends/megatron/cuda_graphs.py): the first step records and captures them, so keep
+`--warmup` >= 2; each further `--seq` captures anew. `--profile 30` then profiles one more step
+(torch.profiler) and prints its 30 costliest GPU operations. Needs CUDA (no Ray, no Prefect).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def main() -> None:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
 
+    from slime.backends.megatron import cuda_graphs
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers
@@ -86,7 +90,7 @@ def main() -> None:
 
     shape = QWEN2_SHAPES[args.model]
     config = qwen2_config(args.model, max_position_embeddings=32768)
-    init_megatron(seed=0)
+    init_megatron(seed=0, megatron=megatron)
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
         bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
@@ -97,14 +101,16 @@ def main() -> None:
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
                "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
-               "rope_fusion": bridge.config.apply_rope_fusion}
+               "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models)}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
                             log_probs_chunk_size=args.log_probs_chunk_size)
     generator = torch.Generator().manual_seed(0)
-    for seq in args.seq:
+    for n, seq in enumerate(args.seq):
+        if n and cuda_graphs.enabled(models):  # graphs replay one shape: capture again for this length
+            cuda_graphs.reset(models)
         response = seq - seq // 4 if grpo else seq - 1
         samples = [Sample(index=i, tokens=torch.randint(0, config.vocab_size, (seq,), generator=generator).tolist(),
                           response_length=response) for i in range(args.global_batch)]

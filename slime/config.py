@@ -1475,6 +1475,15 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         fail("megatron.virtual_pipeline_model_parallel_size", "virtual pipeline stages (interleaved 1F1B) are not "
              "supported by the Megatron backend: it runs one model chunk per rank (pipeline_model_parallel_size "
              "alone is supported)")
+    from slime.backends.megatron.cuda_graphs import option_problems  # pure Python: imports no torch
+
+    cluster = config.cluster
+    for field, why in option_problems(config.megatron,
+                                      offload_train=cluster.colocate if cluster.offload_train is None
+                                      else bool(cluster.offload_train),
+                                      dynamic_batch=t.use_dynamic_batch_size):
+        fail(field, why, *(name for name in ("megatron.cuda_graph_impl", "megatron.enable_cuda_graph", "cluster.colocate",
+                                             "cluster.offload") if name != field))
     typed = sorted(set(config.megatron) & set(FIELD_SECTION))
     if typed:  # e.g. `megatron: {lr_decay_style: cosine}`: the typed field is the one the trainer reads
         name = typed[0]

@@ -56,7 +56,7 @@ def _convert(config: Config) -> dict[str, Any]:
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save
     dtype = megatron_dtype(config)
-    init_megatron(seed=config.run.seed)
+    init_megatron(seed=config.run.seed, megatron=config.megatron)
     bridge = make_bridge(hf_dir, dtype, vocab_padding(config, hf_dir), config.megatron)
     models = build_model(bridge, hf_dir)
     save_model_checkpoint(models, save, 0, config_hash=config.section_hash("checkpoint", "megatron"),

@@ -73,7 +73,7 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     if is_committed(out):
         raise ConfigError(f"{out} already holds a committed export; choose another --output-dir")
     dtype = torch.bfloat16 if meta.get("dtype") == "bfloat16" else torch.float32
-    init_megatron(seed=config.run.seed)
+    init_megatron(seed=config.run.seed, megatron=config.megatron)
     # the checkpoint's own vocabulary rows (Megatron's padded size, recorded at save) decide the model's shape
     bridge = make_bridge(origin, dtype, meta.get("padded_vocab_size") or vocab_padding(config, origin),
                          config.megatron)

@@ -89,7 +89,7 @@ def _sft(config: Config) -> dict[str, Any]:
             return _summary(path, saved_losses, resume_from)
 
     model_parallel_sizes(config.megatron, 1, "the SFT stage trains on one rank")  # TP / PP > 1 refused, not ignored
-    init_megatron(seed=config.run.seed)
+    init_megatron(seed=config.run.seed, megatron=config.megatron)
     bridge = make_bridge(hf_dir, megatron_dtype(config), vocab_padding(config, hf_dir), config.megatron)
     lora_spec = LoraSpec.from_config(config)  # LoRA: adapters on the frozen base (docs/lora.md)
     models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=config.train.use_distributed_optimizer,

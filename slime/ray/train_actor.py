@@ -222,7 +222,7 @@ class TrainActor:
         tp, pp = model_parallel_sizes(c.megatron, self.world_size)
         init_megatron(seed=c.run.seed, tensor_parallel=tp, pipeline_parallel=pp, rank=self.rank,
                       world_size=self.world_size, init_method=init_method,
-                      timeout_minutes=c.cluster.distributed_timeout_minutes)
+                      timeout_minutes=c.cluster.distributed_timeout_minutes, megatron=c.megatron)
         import torch
 
         if c.cluster.share_gpu and torch.cuda.is_available():  # the engine holds the rest of this GPU

@@ -56,7 +56,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from slime.backends.megatron import rope_fusion, wgrad_fusion
+    from slime.backends.megatron import cuda_graphs, rope_fusion, wgrad_fusion
     from slime.backends.megatron.attention import with_sdpa
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
@@ -67,13 +67,21 @@ _LOCAL_TO_GLOBAL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = w
 
 
 def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, rank: int = 0,
-                  world_size: int = 1, init_method: str | None = None, timeout_minutes: float = 10) -> None:
+                  world_size: int = 1, init_method: str | None = None, timeout_minutes: float = 10,
+                  megatron: dict[str, Any] | None = None) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state for this rank.
 
     A single process (conversion, one-rank training) needs no arguments beyond the seed; data-parallel
     ranks pass their `rank`, the `world_size` and a shared `init_method` (`tcp://127.0.0.1:PORT`).
-    On CPU the compatibility layer is activated first.
+    On CPU the compatibility layer is activated first. `megatron` is the run's megatron pass-through
+    section (the options `make_bridge` gets): when it asks for CUDA graphs (`cuda_graphs.requested`) the
+    CUDA RNG tracker is the graph-safe one megatron's graph managers require; the tracker is made anew
+    on every call, so one process can seed a run with graphs after one without.
     """
+    graphs = cuda_graphs.requested(megatron or {})
+    if graphs:
+        cuda_graphs.check_options(megatron)
+        cuda_graphs.check_device(megatron)
     if not torch.cuda.is_available():
         from slime.backends.megatron import cpu_compat
 
@@ -88,7 +96,7 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
                                 rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs, force_reset_rng=True)
 
 
 def model_parallel_sizes(megatron: dict[str, Any], world_size: int,
@@ -181,6 +189,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     options = model_options(megatron or {})
+    _check_graph_rng(options)
     defaults = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
                     bias_activation_fusion=fused_activation_available(),
                     apply_rope_fusion=fused_activation_available() and not options.get("rotary_interleaved"),
@@ -206,6 +215,20 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
         k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}
     return bridge
+
+
+def _check_graph_rng(options: dict[str, Any]) -> None:
+    """Model options asking for CUDA graphs need CUDA and the graph-safe RNG tracker, which `init_megatron`
+    seeds when it is given the same megatron options; say so instead of megatron's bare assertion."""
+    cuda_graphs.check_options(options)  # also refuses Transformer Engine's graphs, which are never "requested"
+    if not cuda_graphs.requested(options):
+        return
+    cuda_graphs.check_device(options)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, is_graph_safe_cuda_rng_tracker
+
+    if not is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker()):
+        raise ConfigError("megatron.cuda_graph_impl=local needs megatron's graph-safe CUDA RNG tracker: pass the same "
+                          "megatron options to init_megatron(..., megatron=...) before make_bridge")
 
 
 def fused_activation_available() -> bool:
@@ -239,6 +262,8 @@ def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = Fa
             for module in model.modules():
                 if getattr(module, "gradient_accumulation_fusion", False):
                     module.gradient_accumulation_fusion = False
+    if cuda_graphs.enabled(models):  # after post_create, which freezes what LoRA / freeze lists freeze
+        cuda_graphs.prepare(models)
     if hf_dir is not None:
         bridge.load_weights(models, hf_dir)
     return models

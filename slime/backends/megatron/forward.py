@@ -12,7 +12,8 @@ stages, since callers expect them on every rank.
 
 Micro-batches differ in width (samples are padded per micro-batch), so the model config gets
 `variable_seq_lengths`: the p2p exchange sends each tensor's shape before the tensor.
-Virtual pipeline stages (interleaved 1F1B, several model chunks per rank) are refused.
+Virtual pipeline stages (interleaved 1F1B, several model chunks per rank) are refused. A model built with
+CUDA graphs (`cuda_graphs.py`) runs these passes eagerly: the graphs are the train step's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.backends.megatron import cuda_graphs
 from slime.errors import ConfigError
 
 
@@ -107,7 +109,7 @@ def forward_only(models: list[torch.nn.Module], micro_batches: list[Any],
 
     for model in models:
         model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), cuda_graphs.eager(models):  # a train step's graphs are not replayed here
         get_forward_backward_func()(forward_step_func=step, data_iterator=wrap(iter(micro_batches)) if wrap
                                     else iter(micro_batches), model=models,
                                     num_microbatches=len(micro_batches), seq_length=1, micro_batch_size=1,

@@ -2,7 +2,8 @@
 
 Resume is bit-exact only if the next random draw after loading equals the one an uninterrupted run
 makes: Python's `random`, numpy's global generator, torch's CPU generator, each CUDA device's
-generator (when CUDA is present) and megatron's CUDA RNG tracker (model-parallel dropout streams).
+generator (when CUDA is present) and megatron's CUDA RNG tracker (model-parallel dropout streams; with
+CUDA graphs its graph-safe form, whose streams are generators: the same bytes are saved, set in place).
 Each rank has its own states, so a checkpoint holds one small JSON file per rank. JSON instead of a
 pickle: byte states are base64, the Mersenne-Twister states plain integer lists.
 """
@@ -32,7 +33,8 @@ def capture_rng_state() -> dict[str, Any]:
                   "cached_gaussian": float(np_gauss)},
         "torch_cpu": _encode(torch.get_rng_state()),
         "cuda": [_encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-        "megatron_tracker": {name: _encode(s) for name, s in get_cuda_rng_tracker().get_states().items()},
+        "megatron_tracker": {name: _encode(s.get_state() if isinstance(s, torch.Generator) else s)
+                             for name, s in get_cuda_rng_tracker().get_states().items()},
     }
     return state
 
@@ -54,7 +56,19 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             raise ValueError(f"RNG state has {len(state['cuda'])} CUDA generators, this process sees "
                              f"{torch.cuda.device_count()} devices")
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
-    get_cuda_rng_tracker().set_states({name: _decode(s) for name, s in state["megatron_tracker"].items()})
+    tracker_states = {name: _decode(s) for name, s in state["megatron_tracker"].items()}
+    tracker = get_cuda_rng_tracker()
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        # the graph-safe tracker (CUDA graphs) holds generators that captured graphs registered: set their
+        # state in place, never swap them for tensors
+        generators = tracker.get_states()
+        missing = sorted(set(tracker_states) - set(generators))
+        if missing:
+            raise ValueError(f"RNG state names tracker streams {missing} this process's tracker does not have")
+        for name, value in tracker_states.items():
+            generators[name].set_state(value)
+    else:
+        tracker.set_states(tracker_states)
 
 
 def _encode(tensor: torch.Tensor) -> str:

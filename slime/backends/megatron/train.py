@@ -53,6 +53,7 @@ from slime.algorithms.policy_loss import (
     value_loss,
 )
 from slime.algorithms.reduce import sample_mean, token_mean
+from slime.backends.megatron import cuda_graphs
 from slime.backends.megatron.batching import micro_batches
 from slime.backends.megatron.critic import values_from_output
 from slime.backends.megatron.forward import broadcast_from_last_stage, prepare_schedule
@@ -368,6 +369,10 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
                           max_tokens_per_gpu=settings.max_tokens_per_gpu, workload=settings.workload)
     micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
                                pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
+    graphs = cuda_graphs.enabled(models)
+    shapes = [tuple(m.batch.tokens.shape) for m in micro]
+    if graphs:
+        cuda_graphs.check_shapes(models, shapes)
     num_samples, num_tokens = _global_counts(samples, device)
     step = _Step(settings, vocab_size, num_samples, num_tokens,
                  scale=float(len(micro) * parallel_state.get_data_parallel_world_size()))
@@ -379,6 +384,8 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
         forward_step_func=partial(_forward_step, step), data_iterator=iter(micro), model=models,
         num_microbatches=len(micro), seq_length=max(m.batch.tokens.shape[1] for m in micro),
         micro_batch_size=max(len(m.indices) for m in micro), forward_only=False)
+    if graphs and cuda_graphs.graphs_created():  # the first step's schedule captured them at its end
+        cuda_graphs.note_captured(models, shapes)
     updated, grad_norm, _ = optimizer.step()
     # the loss parts exist on the last pipeline stage only (the others' `reduced` is empty)
     metrics = broadcast_from_last_stage(_sum_over_ranks(reduced, device))

@@ -1,0 +1,199 @@
+"""megatron-core's local CUDA graphs (`megatron: {cuda_graph_impl: local}`) for the train step.
+
+A LoRA step at micro-batch 1 is launch-bound: ~27k kernel launches per step for a 1.5B model
+(docs/lora.md). megatron-core's *local* implementation (`megatron.core.transformer.cuda_graphs`) captures
+each transformer layer's forward and backward as CUDA graphs and replays them, one launch per layer and
+direction. It needs no Transformer Engine: it wraps any `GraphableMegatronModule` (the local spec's
+`TransformerLayer` included); TE only adds weak references to the graphs' I/O buffers (less memory) and
+FP8. What it does need, and what this module provides or refuses:
+
+* a graph-safe CUDA RNG tracker (`CudaRNGStatesTracker(use_cudagraphable_rng=True)`), else every layer's
+  `CudaGraphManager` asserts "RNG tracker does not support cudagraphs!": `init_megatron` seeds one when
+  the megatron options ask for graphs (`requested`);
+* megatron-core's schedule: the first train step runs eagerly and records each layer's calls, and
+  `forward_backward_func` captures the graphs at its end; later steps replay them. Only the shapes of
+  that first step have graphs (one set per distinct micro-batch shape): a later micro-batch of another
+  shape would hit megatron's assertion mid-step, so `check_shapes` refuses it before the step starts;
+* nothing that changes a layer's computation from Python between replays: forward-only passes
+  (log-probs, the KL reference with LoRA adapters switched off by a Python flag) therefore run eagerly
+  (`eager`, megatron's `toggle_cuda_graphs`), and the colocated offload, which moves the weights and
+  gradient buffers to new addresses, is refused (`option_problems`);
+* `cuda_graph_scope` "full_iteration" needs Megatron-LM's training loop (it captures the whole
+  iteration outside megatron-core's schedules), `cuda_graph_impl=transformer_engine` TE's
+  `make_graphed_callables` driven by that loop: both are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from slime.errors import ConfigError
+
+SCOPES = ("full", "attn", "mlp")  # the local implementation graphs the whole dense layer for each
+_CAPTURED: weakref.WeakKeyDictionary[Any, frozenset[tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def requested(megatron: Mapping[str, Any]) -> bool:
+    """Whether the megatron pass-through options ask for megatron-core's local CUDA graphs
+    (`cuda_graph_impl: local`, or the deprecated `enable_cuda_graph: true` megatron maps onto it)."""
+    return megatron.get("cuda_graph_impl") == "local" or bool(megatron.get("enable_cuda_graph"))
+
+
+def _scopes(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [s.strip() for s in value.split(",") if s.strip()]
+    if isinstance(value, list | tuple):
+        return [str(s) for s in value]
+    return [str(value)]
+
+
+def option_problems(megatron: Mapping[str, Any], *, offload_train: bool,
+                    dynamic_batch: bool) -> list[tuple[str, str]]:
+    """(field, why) for each CUDA-graph option of `megatron` this trainer cannot run; empty when fine.
+    `offload_train`: the train ranks offload between steps (colocated); `dynamic_batch`: the micro-batch
+    shapes change from step to step (train.use_dynamic_batch_size)."""
+    problems: list[tuple[str, str]] = []
+    impl = megatron.get("cuda_graph_impl", "none")
+    if impl not in ("none", "local", "transformer_engine"):
+        problems.append(("megatron.cuda_graph_impl", f"{impl!r} is not one of none, local, transformer_engine"))
+    if impl == "transformer_engine" or megatron.get("external_cuda_graph"):
+        field = "megatron.cuda_graph_impl" if impl == "transformer_engine" else "megatron.external_cuda_graph"
+        problems.append((field, "Transformer Engine's graphs (make_graphed_callables) are captured by Megatron-LM's "
+                                "training loop, which this trainer does not run: use cuda_graph_impl=local, megatron-core's "
+                                "own per-layer graphs (no Transformer Engine needed)"))
+    if not requested(megatron):
+        return problems
+    unknown = [s for s in _scopes(megatron.get("cuda_graph_scope")) if s not in SCOPES]
+    if unknown:
+        why = ("captures the whole iteration from Megatron-LM's training loop, outside megatron-core's schedules"
+               if unknown[0] == "full_iteration" else "applies to MoE or Mamba layers, which these dense models lack")
+        problems.append(("megatron.cuda_graph_scope", f"{unknown[0]!r} {why}; leave cuda_graph_scope unset "
+                                                      "(each transformer layer is one graph)"))
+    if megatron.get("recompute_granularity") == "full" or megatron.get("recompute_method"):
+        problems.append(("megatron.recompute_granularity", "full activation recomputation is only supported by "
+                                                           "megatron with full-iteration graphs: use "
+                                                           "recompute_granularity=selective or no graphs"))
+    if offload_train:
+        problems.append(("cluster.offload_train", "the colocated offload moves the weights and gradient buffers to "
+                                                  "new GPU addresses, and the captured graphs keep the old ones: "
+                                                  "run without colocate/offload_train to use cuda_graph_impl=local"))
+    if dynamic_batch:
+        problems.append(("train.use_dynamic_batch_size", "dynamic batching changes the micro-batch shapes every step, "
+                                                         "and graphs replay only the first step's shapes: use a fixed "
+                                                         "micro_batch_size with cuda_graph_impl=local"))
+    return problems
+
+
+def check_options(megatron: Mapping[str, Any], *, offload_train: bool = False, dynamic_batch: bool = False) -> None:
+    """`option_problems` as a ConfigError (the first problem), for callers without a config tree."""
+    problems = option_problems(megatron, offload_train=offload_train, dynamic_batch=dynamic_batch)
+    if problems:
+        field, why = problems[0]
+        raise ConfigError(f"{field}: {why}")
+
+
+def check_device(megatron: Mapping[str, Any]) -> None:
+    """CUDA graphs need CUDA: refuse them on a CPU-only machine."""
+    import torch
+
+    if requested(megatron) and not torch.cuda.is_available():
+        raise ConfigError("megatron.cuda_graph_impl=local: CUDA graphs need a CUDA device; this machine has none "
+                          "(drop the option for CPU runs)")
+
+
+def _chunks(models: Iterable[Any]) -> list[Any]:
+    from megatron.core.utils import unwrap_model
+
+    return [unwrap_model(m) for m in models]
+
+
+def enabled(models: Iterable[Any]) -> bool:
+    """Whether the model chunks were built with local CUDA graphs (their TransformerConfig says so)."""
+    return any(getattr(getattr(m, "config", None), "cuda_graph_impl", "none") == "local" for m in _chunks(models))
+
+
+def _input_requires_grad(module: Any, args: Any, output: Any) -> None:
+    if getattr(output, "requires_grad", True) or not output.is_floating_point():
+        return
+    import torch
+
+    if torch.is_grad_enabled():
+        output.requires_grad_()
+
+
+def prepare(models: Iterable[Any]) -> int:
+    """Make the first layer's input require grad where the embedding is frozen (LoRA, freeze lists), returning
+    how many embeddings got the hook. megatron's graph capture warms each layer up with a backward towards
+    its inputs (`torch.autograd.grad(inputs=...)`), which fails on a layer with no input that requires grad;
+    the cost is the first layer's input gradient, computed and dropped."""
+    hooked = 0
+    for chunk in _chunks(models):
+        embedding = getattr(chunk, "embedding", None)
+        if getattr(getattr(chunk, "config", None), "cuda_graph_impl", "none") != "local" or embedding is None:
+            continue
+        if not any(p.requires_grad for p in embedding.parameters()):
+            embedding.register_forward_hook(_input_requires_grad)
+            hooked += 1
+    return hooked
+
+
+def graphs_created() -> bool:
+    """Whether megatron has captured this process's graphs (at the end of the first train step's schedule)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    return bool(_CudagraphGlobalRecord.cudagraph_created)
+
+
+def check_shapes(models: Iterable[Any], shapes: Iterable[tuple[int, ...]]) -> None:
+    """Refuse micro-batch shapes (`[rows, tokens]`) that have no captured graph, before a step starts:
+    megatron replays only the shapes its first (recording) step saw and would assert mid-step."""
+    for chunk in _chunks(models):
+        captured = _CAPTURED.get(chunk)
+        if captured is None:
+            continue
+        new = sorted(set(shapes) - captured)
+        if new:
+            raise ConfigError(f"megatron.cuda_graph_impl=local: micro-batch shape {list(new[0])} [rows, tokens] has no "
+                              f"CUDA graph; the graphs were captured for {sorted(map(list, captured))} in the first "
+                              "train step. Keep every micro-batch one shape: a fixed train.micro_batch_size that divides "
+                              "the batch and train.data_pad_size_multiplier set to the longest sample length (samples "
+                              "are right-padded to its multiple), or drop cuda_graph_impl")
+
+
+def note_captured(models: Iterable[Any], shapes: Iterable[tuple[int, ...]]) -> None:
+    """Record the shapes of the step whose end captured the graphs (`check_shapes` compares against them)."""
+    for chunk in _chunks(models):
+        _CAPTURED.setdefault(chunk, frozenset(shapes))
+
+
+def reset(models: Iterable[Any]) -> None:
+    """Drop every captured graph and give each layer a fresh graph manager: the next train step records and
+    captures again (e.g. before micro-batches of a new shape). The RNG tracker stays graph-safe."""
+    from megatron.core.transformer.utils import toggle_cuda_graphs
+
+    chunks = _chunks(models)
+    for chunk in chunks:
+        toggle_cuda_graphs(chunk, set_to="none", reset_cuda_graphs=True)
+        toggle_cuda_graphs(chunk, set_to="local", reset_cuda_graphs=True)
+        _CAPTURED.pop(chunk, None)
+
+
+@contextlib.contextmanager
+def eager(models: Iterable[Any]) -> Iterator[None]:
+    """Run the model chunks without their graphs inside the block (forward-only passes), keeping the captured
+    graphs for the next train step. A no-op for chunks built without graphs."""
+    from megatron.core.transformer.utils import toggle_cuda_graphs
+
+    chunks = [c for c in _chunks(models) if getattr(c.config, "cuda_graph_impl", "none") == "local"]
+    for chunk in chunks:
+        toggle_cuda_graphs(chunk, set_to="none", reset_cuda_graphs=False)
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            toggle_cuda_graphs(chunk, set_to="local", reset_cuda_graphs=False)
