@@ -11,6 +11,14 @@ a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
     python bench/engine.py --model runs/tiny-kit/model                   # CPU, tiny kit
     python bench/engine.py --model DIR --device cuda --dtype bfloat16    # GPU
     python bench/engine.py ... --in-process   # also the engine without its HTTP server
+    python bench/engine.py ... --split        # one JSON line: where the server's time went per run
+
+`--split` reads the server's record of each timed run (/server_info's `busy_period`,
+slime/engines/builtin/stats.py) and prints the median of each field over the runs, with the client's
+run time (`client_s`) and three derived figures: `model_thread_other_s` (inside the period, neither
+prefill nor decode: waiting for arrivals, compaction, handing replies over), `after_idle_s` (last
+reply built after the model thread went idle) and `client_extra_s` (the client's run time beyond the
+server's first-arrival-to-last-reply span: sending and receiving).
 
 Figures go to docs/benchmarks.md (command, machine, median of the repeats).
 """
@@ -19,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -129,6 +139,25 @@ def engine_counters(url: str) -> dict[str, int]:
     return {name: state.get(name, 0) for name in COUNTERS}
 
 
+def busy_period(url: str) -> dict[str, Any]:
+    """The server's record of its last busy period (one run of the benchmark)."""
+    state = httpx.get(f"{url}/server_info", trust_env=False).json()["internal_states"][0]
+    return state["busy_period"]
+
+
+def describe_split(periods: list[dict[str, Any]]) -> str:
+    """One JSON line: the median of each numeric field of the runs' periods, plus derived figures."""
+    for period in periods:
+        if period["idle_at"] is None:  # read a moment before the model thread noticed it was idle
+            period["idle_at"] = period["last_reply_at"]
+        period["model_thread_other_s"] = period["idle_at"] - period["prefill_s"] - period["decode_s"]
+        period["after_idle_s"] = (period["last_reply_at"] or period["idle_at"]) - period["idle_at"]
+        period["client_extra_s"] = period["client_s"] - (period["last_reply_at"] or period["idle_at"])
+    fields = [k for k, v in periods[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    medians = {k: round(statistics.median(p[k] for p in periods if p.get(k) is not None), 4) for k in fields}
+    return json.dumps({"split": medians, "runs": len(periods)})
+
+
 def describe_counters(before: dict[str, int], after: dict[str, int], runs: int) -> str:
     return ", ".join(f"{(after[name] - before[name]) / runs:.1f} {name}" for name in COUNTERS)
 
@@ -163,6 +192,8 @@ def main() -> None:
                         help="engine: wait for each step's tokens before launching the next decode")
     parser.add_argument("--disable-fused-projections", action="store_true",
                         help="engine: q/k/v and gate/up as separate GEMMs in the decode step (the baseline)")
+    parser.add_argument("--split", action="store_true",
+                        help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes sharing the requests (1: the benchmark's own event loop)")
     args = parser.parse_args()
@@ -195,8 +226,11 @@ def main() -> None:
             engine_warm = driver.run(prompts, args.new_tokens)
             generate_warm = run_generate(model, prompts, args.new_tokens, pad, args.device) if model else 0.0
             before = engine_counters(url)
+            periods = []
             for _ in range(args.repeats):
                 engine_times.append(driver.run(prompts, args.new_tokens))
+                if args.split:
+                    periods.append({**busy_period(url), "client_s": engine_times[-1]})
                 if model is not None:
                     generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
             after = engine_counters(url)
@@ -205,6 +239,8 @@ def main() -> None:
             process.stop()
     print(f"engine over HTTP, per timed run: {describe_counters(before, after, args.repeats)}; "
           f"{args.client_procs} client process(es)")
+    if args.split:
+        print(describe_split(periods))
     results["built-in engine (HTTP)"] = (engine_warm, engine_times)
     if args.in_process:
         from slime.engines.builtin.engine import BuiltinEngine, EngineArgs

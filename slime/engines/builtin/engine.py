@@ -169,8 +169,9 @@ class BuiltinEngine:
                    for ids, params, rid, start in parsed]
         started = time.perf_counter()
         results = await asyncio.gather(*futures)
-        outputs = [self._response(r, bool(return_logprob[i]), time.perf_counter() - started)
-                   for i, r in enumerate(results)]
+        finished = time.perf_counter()
+        outputs = [self._response(r, bool(return_logprob[i]), finished - started) for i, r in enumerate(results)]
+        self.scheduler.stats.built(time.perf_counter() - finished)
         return outputs if batched else outputs[0]
 
     def _new_rid(self) -> str:
@@ -342,6 +343,7 @@ class BuiltinEngine:
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,
                                  "weight_update_groups": sorted(self.weights.groups),
-                                 "lora_adapters": self.lora.names()}],
+                                 "lora_adapters": self.lora.names(),
+                                 "busy_period": self.scheduler.stats.snapshot()}],
             "version": __version__,
         }

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -74,7 +75,10 @@ def create_app(engine: BuiltinEngine) -> FastAPI:
         # ~4.8 ms through jsonable_encoder + json.dumps and ~2.3 ms through json.dumps alone, 0.4 ms
         # here (CPU dev machine); 256 replies finish in the same step, on the thread admitting requests
         result = await engine.generate(await _json_body(request))
-        return Response(pydantic_core.to_json(result), media_type="application/json")
+        started = time.perf_counter()
+        payload = pydantic_core.to_json(result)
+        engine.scheduler.stats.replied(time.perf_counter() - started)
+        return Response(payload, media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
