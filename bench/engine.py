@@ -192,6 +192,8 @@ def main() -> None:
                         help="engine: wait for each step's tokens before launching the next decode")
     parser.add_argument("--disable-fused-projections", action="store_true",
                         help="engine: q/k/v and gate/up as separate GEMMs in the decode step (the baseline)")
+    parser.add_argument("--admission-window-ms", type=float,
+                        help="engine: its admission window (default: the engine's, 10 ms)")
     parser.add_argument("--split", action="store_true",
                         help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
@@ -215,6 +217,8 @@ def main() -> None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine_flags = [flag for flag, on in (("--disable-overlap-schedule", args.disable_overlap_schedule),
                                           ("--disable-fused-projections", args.disable_fused_projections)) if on]
+    if args.admission_window_ms is not None:
+        engine_flags += ["--admission-window-ms", str(args.admission_window_ms)]
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),

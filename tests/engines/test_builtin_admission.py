@@ -197,3 +197,18 @@ def test_busy_stats_count_steps_below_the_peak():
     assert period["replies"] == 1 and period["last_reply_at"] >= period["idle_at"]
     stats.arrived()  # after the idle spell: a new period
     assert stats.snapshot()["requests"] == 1 and stats.snapshot()["decode_steps"] == 0
+
+
+def test_admission_window_flag_reaches_the_scheduler_and_refuses_a_negative_one(tiny_kit):
+    from slime.engines.builtin.server import build_parser
+    from slime.errors import ConfigError
+
+    args = build_parser().parse_args(["--model", str(tiny_kit.model_dir), "--admission-window-ms", "2.5"])
+    assert args.admission_window_ms == 2.5
+    eng = BuiltinEngine(EngineArgs(**{k: v for k, v in vars(args).items() if k != "log_level"}))
+    try:
+        assert eng.scheduler.admission_window_s == 0.0025
+    finally:
+        eng.shutdown()
+    with pytest.raises(ConfigError, match="--admission-window-ms must be >= 0, got -1"):
+        BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), admission_window_ms=-1))

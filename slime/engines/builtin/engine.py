@@ -28,6 +28,7 @@ from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
+from slime.errors import ConfigError
 from slime.offload import HostParking
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class EngineArgs:
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    admission_window_ms: float = 10.0  # arrivals quiet this long: the waiting group is admitted (scheduler.py)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -91,6 +93,8 @@ class BuiltinEngine:
     """Model + tokenizer + scheduler, with SGLang's request and response formats."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if not args.admission_window_ms >= 0:
+            raise ConfigError(f"--admission-window-ms must be >= 0, got {args.admission_window_ms}")
         self.args = args
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
@@ -102,6 +106,7 @@ class BuiltinEngine:
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
+            admission_window_s=args.admission_window_ms / 1000,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided

@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-lora-rank", type=int, help="refuse adapters of a higher rank")
     parser.add_argument("--lora-target-modules", nargs="+",
                         help="HF module names adapters may target (q_proj ... down_proj, or all); default: any")
+    parser.add_argument("--admission-window-ms", type=float, default=10.0,
+                        help="admit the waiting requests once none has arrived for this long (or they fill the "
+                             "free rows, or the first waited 200 ms); a burst arriving over HTTP is then "
+                             "prefilled as one group")
     parser.add_argument("--log-level", default="info")
     return parser
 
