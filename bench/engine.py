@@ -45,6 +45,22 @@ from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.client import EngineClient
 
 
+def save_micro_qwen2(out_dir: Path, dtype: torch.dtype) -> Path:
+    """A seeded 1-layer Qwen2 (hidden 64) over the tiny kit's tokenizer, written to `out_dir`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime.data.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # stay clear of special tokens at the top of the vocabulary
@@ -176,7 +192,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="HF model directory")
-    source.add_argument("--random-qwen2", choices=sorted(QWEN2_SHAPES), help="random weights of this shape")
+    source.add_argument("--random-qwen2", choices=[*sorted(QWEN2_SHAPES), "micro"],
+                        help="random weights of this shape (micro: 1 layer, hidden 64, the tiny tokenizer's "
+                             "vocabulary: a nearly free forward, so a CPU run times the engine's host work)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -201,7 +219,9 @@ def main() -> None:
     args = parser.parse_args()
 
     scratch = tempfile.TemporaryDirectory()
-    if args.random_qwen2:
+    if args.random_qwen2 == "micro":
+        args.model = str(save_micro_qwen2(Path(scratch.name) / "model", getattr(torch, args.dtype)))
+    elif args.random_qwen2:
         args.model = str(save_random_qwen2(Path(scratch.name) / "model", args.random_qwen2, getattr(torch, args.dtype)))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(args.requests, args.prompt_len, len(tokenizer))
