@@ -14,7 +14,8 @@ a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
     python bench/engine.py ... --split        # one JSON line: where the server's time went per run
 
 `--split` reads the server's record of each timed run (/server_info's `busy_period`,
-slime/engines/builtin/stats.py) and prints the median of each field over the runs, with the client's
+slime/engines/builtin/stats.py) and prints the median of each field over the runs (and a few fields
+run by run, `per_run`, to see where a slow run lost its time), with the client's
 run time (`client_s`) and three derived figures: `model_thread_other_s` (inside the period, neither
 prefill nor decode: waiting for arrivals, compaction, handing replies over), `after_idle_s` (last
 reply built after the model thread went idle) and `client_extra_s` (the client's run time beyond the
@@ -155,6 +156,10 @@ def engine_counters(url: str) -> dict[str, int]:
     return {name: state.get(name, 0) for name in COUNTERS}
 
 
+SPREAD = ("client_s", "last_arrival_at", "prefills", "first_decode_at", "decode_steps", "decode_s", "idle_at",
+          "last_reply_at", "gc_full", "gc_s")
+
+
 def busy_period(url: str) -> dict[str, Any]:
     """The server's record of its last busy period (one run of the benchmark)."""
     state = httpx.get(f"{url}/server_info", trust_env=False).json()["internal_states"][0]
@@ -171,7 +176,9 @@ def describe_split(periods: list[dict[str, Any]]) -> str:
         period["client_extra_s"] = period["client_s"] - (period["last_reply_at"] or period["idle_at"])
     fields = [k for k, v in periods[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
     medians = {k: round(statistics.median(p[k] for p in periods if p.get(k) is not None), 4) for k in fields}
-    return json.dumps({"split": medians, "runs": len(periods)})
+    # the spread between runs, for the figures that say which phase a slow run lost its time in
+    per_run = {k: [None if p.get(k) is None else round(p[k], 4) for p in periods] for k in SPREAD}
+    return json.dumps({"split": medians, "runs": len(periods), "per_run": per_run})
 
 
 def describe_counters(before: dict[str, int], after: dict[str, int], runs: int) -> str:
@@ -212,6 +219,8 @@ def main() -> None:
                         help="engine: q/k/v and gate/up as separate GEMMs in the decode step (the baseline)")
     parser.add_argument("--admission-window-ms", type=float,
                         help="engine: its admission window (default: the engine's, 10 ms)")
+    parser.add_argument("--disable-gc-freeze", action="store_true",
+                        help="engine: leave its garbage collector unfrozen (the baseline)")
     parser.add_argument("--split", action="store_true",
                         help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
@@ -236,7 +245,8 @@ def main() -> None:
         model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine_flags = [flag for flag, on in (("--disable-overlap-schedule", args.disable_overlap_schedule),
-                                          ("--disable-fused-projections", args.disable_fused_projections)) if on]
+                                          ("--disable-fused-projections", args.disable_fused_projections),
+                                          ("--disable-gc-freeze", args.disable_gc_freeze)) if on]
     if args.admission_window_ms is not None:
         engine_flags += ["--admission-window-ms", str(args.admission_window_ms)]
     with tempfile.TemporaryDirectory() as tmp:

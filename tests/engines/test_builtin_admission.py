@@ -200,15 +200,18 @@ def test_busy_stats_count_steps_below_the_peak():
 
 
 def test_admission_window_flag_reaches_the_scheduler_and_refuses_a_negative_one(tiny_kit):
-    from slime.engines.builtin.server import build_parser
+    from slime.engines.builtin.server import build_parser, engine_args_from
     from slime.errors import ConfigError
 
-    args = build_parser().parse_args(["--model", str(tiny_kit.model_dir), "--admission-window-ms", "2.5"])
+    args = build_parser().parse_args(["--model", str(tiny_kit.model_dir), "--admission-window-ms", "2.5",
+                                      "--disable-gc-freeze"])  # this test process must not freeze its GC
     assert args.admission_window_ms == 2.5
-    eng = BuiltinEngine(EngineArgs(**{k: v for k, v in vars(args).items() if k != "log_level"}))
+    eng = BuiltinEngine(engine_args_from(args))
     try:
-        assert eng.scheduler.admission_window_s == 0.0025
+        assert eng.scheduler.admission_window_s == 0.0025 and eng.scheduler.gc_freeze is False
     finally:
         eng.shutdown()
+    frozen = engine_args_from(build_parser().parse_args(["--model", str(tiny_kit.model_dir)]))
+    assert frozen.gc_freeze is True  # the server process's default
     with pytest.raises(ConfigError, match="--admission-window-ms must be >= 0, got -1"):
         BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), admission_window_ms=-1))

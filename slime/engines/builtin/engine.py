@@ -8,6 +8,7 @@ requests and scheduler results into SGLang responses, and implements the control
 from __future__ import annotations
 
 import asyncio
+import gc
 import glob
 import itertools
 import logging
@@ -70,6 +71,7 @@ class EngineArgs:
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
     admission_window_ms: float = 10.0  # arrivals quiet this long: the waiting group is admitted (scheduler.py)
+    gc_freeze: bool = False  # the server process sets it (--disable-gc-freeze clears it): see Scheduler
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -106,7 +108,7 @@ class BuiltinEngine:
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
-            admission_window_s=args.admission_window_ms / 1000,
+            admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
@@ -349,6 +351,7 @@ class BuiltinEngine:
                                  "last_weight_update": self.last_weight_update,
                                  "weight_update_groups": sorted(self.weights.groups),
                                  "lora_adapters": self.lora.names(),
-                                 "busy_period": self.scheduler.stats.snapshot()}],
+                                 "busy_period": self.scheduler.stats.snapshot(),
+                                 "gc_frozen_objects": gc.get_freeze_count()}],
             "version": __version__,
         }

@@ -12,13 +12,15 @@ relative to the period's first arrival. Counting costs a few `perf_counter` call
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import time
 from typing import Any
 
 # Per-period sums (seconds unless named otherwise); moments are kept separately.
 _SUMS = ("requests", "prefills", "prefill_rows", "prefill_s", "decode_steps", "decode_rows", "decode_s",
-         "launch_s", "sample_s", "wait_s", "record_s", "build_s", "replies", "json_s")
+         "launch_s", "sample_s", "wait_s", "record_s", "build_s", "replies", "json_s", "gc_full", "gc_s")
 
 
 class BusyStats:
@@ -30,6 +32,26 @@ class BusyStats:
         self._period: dict[str, Any] | None = None
         self._closed = True
         self._start = 0.0
+        self._gc_start: float | None = None
+
+    def watch_gc(self) -> None:
+        """Count Python's garbage collections in the period (`gc_s`, and `gc_full`: generation-2 ones):
+        each holds the GIL, stalling the HTTP thread and the model thread alike."""
+        gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        period = self._period
+        if period is None or self._closed or self._gc_start is None:
+            return
+        period["gc_s"] += time.perf_counter() - self._gc_start
+        period["gc_full"] += info.get("generation") == 2
 
     def arrived(self) -> None:
         """A request was submitted: the first one after an idle spell opens a new period."""
