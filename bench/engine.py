@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import statistics
@@ -157,7 +158,25 @@ def engine_counters(url: str) -> dict[str, int]:
 
 
 SPREAD = ("client_s", "last_arrival_at", "prefills", "first_decode_at", "decode_steps", "decode_s", "idle_at",
-          "last_reply_at", "gc_full", "gc_s")
+          "last_reply_at", "gc_full", "gc_s", "client_gc_s")
+
+
+class ClientGC:
+    """Seconds this (client) process spent in Python's garbage collector, as `client_gc_s` of --split."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def busy_period(url: str) -> dict[str, Any]:
@@ -261,10 +280,13 @@ def main() -> None:
             generate_warm = run_generate(model, prompts, args.new_tokens, pad, args.device) if model else 0.0
             before = engine_counters(url)
             periods = []
+            client_gc = ClientGC() if args.split else None
             for _ in range(args.repeats):
+                if client_gc is not None:
+                    client_gc.take()
                 engine_times.append(driver.run(prompts, args.new_tokens))
-                if args.split:
-                    periods.append({**busy_period(url), "client_s": engine_times[-1]})
+                if client_gc is not None:
+                    periods.append({**busy_period(url), "client_s": engine_times[-1], "client_gc_s": client_gc.take()})
                 if model is not None:
                     generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
             after = engine_counters(url)
