@@ -11,6 +11,15 @@ a shared machine's speed hits both alike; the ratio is taken repeat by repeat.
     python bench/engine.py --model runs/tiny-kit/model                   # CPU, tiny kit
     python bench/engine.py --model DIR --device cuda --dtype bfloat16    # GPU
     python bench/engine.py ... --in-process   # also the engine without its HTTP server
+    python bench/engine.py ... --split        # one JSON line: where the server's time went per run
+
+`--split` reads the server's record of each timed run (/server_info's `busy_period`,
+slime/engines/builtin/stats.py) and prints the median of each field over the runs (and a few fields
+run by run, `per_run`, to see where a slow run lost its time), with the client's
+run time (`client_s`) and three derived figures: `model_thread_other_s` (inside the period, neither
+prefill nor decode: waiting for arrivals, compaction, handing replies over), `after_idle_s` (last
+reply built after the model thread went idle) and `client_extra_s` (the client's run time beyond the
+server's first-arrival-to-last-reply span: sending and receiving).
 
 Figures go to docs/benchmarks.md (command, machine, median of the repeats).
 """
@@ -19,12 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import json
 import multiprocessing
 import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -33,6 +45,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.client import EngineClient
+
+
+def save_micro_qwen2(out_dir: Path, dtype: torch.dtype) -> Path:
+    """A seeded 1-layer Qwen2 (hidden 64) over the tiny kit's tokenizer, written to `out_dir`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from slime.data.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -129,6 +157,49 @@ def engine_counters(url: str) -> dict[str, int]:
     return {name: state.get(name, 0) for name in COUNTERS}
 
 
+SPREAD = ("client_s", "last_arrival_at", "prefills", "first_decode_at", "decode_steps", "decode_s", "idle_at",
+          "last_reply_at", "gc_full", "gc_s", "client_gc_s")
+
+
+class ClientGC:
+    """Seconds this (client) process spent in Python's garbage collector, as `client_gc_s` of --split."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def busy_period(url: str) -> dict[str, Any]:
+    """The server's record of its last busy period (one run of the benchmark)."""
+    state = httpx.get(f"{url}/server_info", trust_env=False).json()["internal_states"][0]
+    return state["busy_period"]
+
+
+def describe_split(periods: list[dict[str, Any]]) -> str:
+    """One JSON line: the median of each numeric field of the runs' periods, plus derived figures."""
+    for period in periods:
+        if period["idle_at"] is None:  # read a moment before the model thread noticed it was idle
+            period["idle_at"] = period["last_reply_at"]
+        period["model_thread_other_s"] = period["idle_at"] - period["prefill_s"] - period["decode_s"]
+        period["after_idle_s"] = (period["last_reply_at"] or period["idle_at"]) - period["idle_at"]
+        period["client_extra_s"] = period["client_s"] - (period["last_reply_at"] or period["idle_at"])
+    fields = [k for k, v in periods[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    medians = {k: round(statistics.median(p[k] for p in periods if p.get(k) is not None), 4) for k in fields}
+    # the spread between runs, for the figures that say which phase a slow run lost its time in
+    per_run = {k: [None if p.get(k) is None else round(p[k], 4) for p in periods] for k in SPREAD}
+    return json.dumps({"split": medians, "runs": len(periods), "per_run": per_run})
+
+
 def describe_counters(before: dict[str, int], after: dict[str, int], runs: int) -> str:
     return ", ".join(f"{(after[name] - before[name]) / runs:.1f} {name}" for name in COUNTERS)
 
@@ -147,7 +218,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="HF model directory")
-    source.add_argument("--random-qwen2", choices=sorted(QWEN2_SHAPES), help="random weights of this shape")
+    source.add_argument("--random-qwen2", choices=[*sorted(QWEN2_SHAPES), "micro"],
+                        help="random weights of this shape (micro: 1 layer, hidden 64, the tiny tokenizer's "
+                             "vocabulary: a nearly free forward, so a CPU run times the engine's host work)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -163,12 +236,20 @@ def main() -> None:
                         help="engine: wait for each step's tokens before launching the next decode")
     parser.add_argument("--disable-fused-projections", action="store_true",
                         help="engine: q/k/v and gate/up as separate GEMMs in the decode step (the baseline)")
+    parser.add_argument("--admission-window-ms", type=float,
+                        help="engine: its admission window (default: the engine's, 10 ms)")
+    parser.add_argument("--disable-gc-freeze", action="store_true",
+                        help="engine: leave its garbage collector unfrozen (the baseline)")
+    parser.add_argument("--split", action="store_true",
+                        help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
                         help="HTTP client processes sharing the requests (1: the benchmark's own event loop)")
     args = parser.parse_args()
 
     scratch = tempfile.TemporaryDirectory()
-    if args.random_qwen2:
+    if args.random_qwen2 == "micro":
+        args.model = str(save_micro_qwen2(Path(scratch.name) / "model", getattr(torch, args.dtype)))
+    elif args.random_qwen2:
         args.model = str(save_random_qwen2(Path(scratch.name) / "model", args.random_qwen2, getattr(torch, args.dtype)))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(args.requests, args.prompt_len, len(tokenizer))
@@ -183,7 +264,10 @@ def main() -> None:
         model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine_flags = [flag for flag, on in (("--disable-overlap-schedule", args.disable_overlap_schedule),
-                                          ("--disable-fused-projections", args.disable_fused_projections)) if on]
+                                          ("--disable-fused-projections", args.disable_fused_projections),
+                                          ("--disable-gc-freeze", args.disable_gc_freeze)) if on]
+    if args.admission_window_ms is not None:
+        engine_flags += ["--admission-window-ms", str(args.admission_window_ms)]
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_builtin_engine(args.model, log_path=Path(tmp) / "engine.log", device=args.device,
                                             dtype=args.dtype, max_running_requests=max(256, args.requests),
@@ -195,8 +279,14 @@ def main() -> None:
             engine_warm = driver.run(prompts, args.new_tokens)
             generate_warm = run_generate(model, prompts, args.new_tokens, pad, args.device) if model else 0.0
             before = engine_counters(url)
+            periods = []
+            client_gc = ClientGC() if args.split else None
             for _ in range(args.repeats):
+                if client_gc is not None:
+                    client_gc.take()
                 engine_times.append(driver.run(prompts, args.new_tokens))
+                if client_gc is not None:
+                    periods.append({**busy_period(url), "client_s": engine_times[-1], "client_gc_s": client_gc.take()})
                 if model is not None:
                     generate_times.append(run_generate(model, prompts, args.new_tokens, pad, args.device))
             after = engine_counters(url)
@@ -205,6 +295,8 @@ def main() -> None:
             process.stop()
     print(f"engine over HTTP, per timed run: {describe_counters(before, after, args.repeats)}; "
           f"{args.client_procs} client process(es)")
+    if args.split:
+        print(describe_split(periods))
     results["built-in engine (HTTP)"] = (engine_warm, engine_times)
     if args.in_process:
         from slime.engines.builtin.engine import BuiltinEngine, EngineArgs

@@ -153,3 +153,65 @@ def test_overlapped_decoding_gives_the_same_tokens_and_logprobs(engine, tiny_kit
         assert a["output_ids"] == b["output_ids"] == c["output_ids"]
         for x, y, z in zip(*(r["meta_info"]["output_token_logprobs"] for r in (a, b, c)), strict=True):
             assert x[0] == pytest.approx(y[0], abs=1e-6) and x[0] == pytest.approx(z[0], abs=1e-6)
+
+
+def test_busy_period_counts_one_burst(engine):
+    """/server_info's busy_period: one burst of N requests is one period with its steps, rows and phases."""
+    scheduler = engine.scheduler
+    while scheduler.busy:  # an earlier test's burst has fully ended
+        time.sleep(0.01)
+    time.sleep(0.05)
+
+    async def burst() -> list[dict]:
+        return await asyncio.gather(*[engine.generate(_body([20 + i, 21, 22], 6)) for i in range(5)])
+
+    steps_before = scheduler.steps
+    replies = asyncio.run(burst())
+    deadline = time.time() + 10
+    while not scheduler.stats.snapshot()["closed"] and time.time() < deadline:  # the thread notices it is idle
+        time.sleep(0.01)
+    period = scheduler.stats.snapshot()
+    assert all(r["meta_info"]["completion_tokens"] == 6 for r in replies)
+    assert period["closed"] and period["requests"] == 5 and period["prefill_rows"] == 5
+    # the prefill samples the first token; every further token is one decode step of the group's rows
+    assert period["decode_rows"] == 5 * 5
+    assert period["decode_steps"] == scheduler.steps - steps_before == 5 and period["mean_rows"] == 5.0
+    assert period["peak_rows"] == 5 and period["steps_below_peak"] == 0
+    assert 0 <= period["last_arrival_at"] <= period["all_admitted_at"] <= period["first_decode_at"] < period["idle_at"]
+    assert period["decode_s"] >= period["launch_s"] + period["sample_s"] + period["record_s"] > 0
+    assert period["build_s"] > 0 and period["replies"] == 0  # in process: no HTTP reply serialised
+
+
+def test_busy_stats_count_steps_below_the_peak():
+    from slime.engines.builtin.stats import BusyStats
+
+    stats = BusyStats()
+    assert stats.snapshot() is None
+    stats.arrived()
+    for rows in (3, 8, 8, 5):  # a group joins at the second step, rows leave at the last
+        stats.decoded(rows, 0.001, 0.001, 0.0, 0.001, 0.004)
+    stats.idle()
+    stats.replied(0.002)
+    period = stats.snapshot()
+    assert (period["peak_rows"], period["steps_below_peak"], period["mean_rows"]) == (8, 2, 6.0)
+    assert period["replies"] == 1 and period["last_reply_at"] >= period["idle_at"]
+    stats.arrived()  # after the idle spell: a new period
+    assert stats.snapshot()["requests"] == 1 and stats.snapshot()["decode_steps"] == 0
+
+
+def test_admission_window_flag_reaches_the_scheduler_and_refuses_a_negative_one(tiny_kit):
+    from slime.engines.builtin.server import build_parser, engine_args_from
+    from slime.errors import ConfigError
+
+    args = build_parser().parse_args(["--model", str(tiny_kit.model_dir), "--admission-window-ms", "2.5",
+                                      "--disable-gc-freeze"])  # this test process must not freeze its GC
+    assert args.admission_window_ms == 2.5
+    eng = BuiltinEngine(engine_args_from(args))
+    try:
+        assert eng.scheduler.admission_window_s == 0.0025 and eng.scheduler.gc_freeze is False
+    finally:
+        eng.shutdown()
+    frozen = engine_args_from(build_parser().parse_args(["--model", str(tiny_kit.model_dir)]))
+    assert frozen.gc_freeze is True  # the server process's default
+    with pytest.raises(ConfigError, match="--admission-window-ms must be >= 0, got -1"):
+        BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), admission_window_ms=-1))

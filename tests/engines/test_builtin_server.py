@@ -53,6 +53,17 @@ def test_generate_shape_and_info_endpoints(server, http, tiny_kit):
         assert http.get(f"{server}{path}").status_code == 200, path
 
 
+def test_server_records_its_bursts_and_freezes_its_gc(server, http):
+    """The server process freezes Python's GC over the model's objects, and /server_info's busy_period
+    counts the HTTP replies of the last burst (the in-process engine has none)."""
+    generate(http, server, input_ids=[49, 43, 50], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    state = http.get(f"{server}/server_info").json()["internal_states"][0]
+    assert state["gc_frozen_objects"] > 10_000  # the model, tokenizer and libraries at least
+    period = state["busy_period"]
+    assert period["requests"] == 1 and period["replies"] == 1 and period["json_s"] > 0
+    assert period["decode_rows"] == 2 and period["gc_full"] >= 0
+
+
 def _generate_in_background(url, body):
     result = {}
 

@@ -255,3 +255,24 @@ def test_bad_arguments():
         EngineClient(max_retries=-1)
     with pytest.raises(ValueError, match="max_connections"):
         EngineClient(max_connections=0)
+
+
+def test_reply_bodies_decode_as_the_standard_library_does():
+    """The fast parser gives exactly `json.loads`'s values, including what SGLang's own (Python json)
+    replies may hold: -Infinity log-probs, NaN, big integers, escapes; non-JSON stays text."""
+    import json
+    import math
+
+    from slime.engines.client import _decode
+
+    reply = {"text": "a\u00e9\\\"\n\u4e2d", "output_ids": [151643, 0, 2**70],
+             "meta_info": {"output_token_logprobs": [[-0.1234567890123456789, 5, None], [-1e-300, 6, None],
+                                                      [float("-inf"), 7, None]], "e2e_latency": 0.5}}
+    body = json.dumps(reply).encode()
+    decoded = _decode(body)
+    assert decoded == json.loads(body)
+    assert [type(x) for x in decoded["output_ids"]] == [int, int, int]
+    assert math.isnan(_decode(b"[NaN]")[0])
+    assert _decode(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # a lone surrogate: the standard library's value
+    assert _decode(b"Cache flushed.\n") == "Cache flushed.\n"
+    assert _decode(b"") == ""

@@ -8,6 +8,7 @@ requests and scheduler results into SGLang responses, and implements the control
 from __future__ import annotations
 
 import asyncio
+import gc
 import glob
 import itertools
 import logging
@@ -28,6 +29,7 @@ from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Request, Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
+from slime.errors import ConfigError
 from slime.offload import HostParking
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class EngineArgs:
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
     lora_target_modules: list[str] | None = None
+    admission_window_ms: float = 10.0  # arrivals quiet this long: the waiting group is admitted (scheduler.py)
+    gc_freeze: bool = False  # the server process sets it (--disable-gc-freeze clears it): see Scheduler
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -91,6 +95,8 @@ class BuiltinEngine:
     """Model + tokenizer + scheduler, with SGLang's request and response formats."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if not args.admission_window_ms >= 0:
+            raise ConfigError(f"--admission-window-ms must be >= 0, got {args.admission_window_ms}")
         self.args = args
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
@@ -102,6 +108,7 @@ class BuiltinEngine:
             max_running_requests=args.max_running_requests, context_length=args.context_length,
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
+            admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
@@ -169,8 +176,9 @@ class BuiltinEngine:
                    for ids, params, rid, start in parsed]
         started = time.perf_counter()
         results = await asyncio.gather(*futures)
-        outputs = [self._response(r, bool(return_logprob[i]), time.perf_counter() - started)
-                   for i, r in enumerate(results)]
+        finished = time.perf_counter()
+        outputs = [self._response(r, bool(return_logprob[i]), finished - started) for i, r in enumerate(results)]
+        self.scheduler.stats.built(time.perf_counter() - finished)
         return outputs if batched else outputs[0]
 
     def _new_rid(self) -> str:
@@ -342,6 +350,8 @@ class BuiltinEngine:
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,
                                  "weight_update_groups": sorted(self.weights.groups),
-                                 "lora_adapters": self.lora.names()}],
+                                 "lora_adapters": self.lora.names(),
+                                 "busy_period": self.scheduler.stats.snapshot(),
+                                 "gc_frozen_objects": gc.get_freeze_count()}],
             "version": __version__,
         }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import queue
@@ -40,6 +41,7 @@ from transformers import DynamicCache
 from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
 from slime.engines.builtin.slots import SlotDecoder, slot_support
+from slime.engines.builtin.stats import BusyStats
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class Scheduler:
         max_slot_len: int = 4096,
         overlap: bool = True,
         fuse_projections: bool = True,
+        gc_freeze: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -168,16 +171,28 @@ class Scheduler:
         self.prefills = 0  # prefill forwards run (admission groups), reported by /server_info
         self.decodes_ahead = 0  # slot decodes launched before the previous step's tokens were on the host
         self.generated_tokens = 0
+        self.stats = BusyStats()  # where the current burst's time goes (/server_info's busy_period)
+        # Freeze the garbage collector's view of what exists at start and after the first burst (the
+        # model, slot cache, compiled kernels and graphs: ~400k objects). A full collection walked them
+        # all, 0.3 s with the GIL held, at random moments in a burst of requests (server processes only:
+        # frozen cyclic garbage is never freed)
+        self.gc_freeze = gc_freeze
+        self._frozen_after_work = False
 
     # ------------------------------------------------------------------ public API (any thread)
 
     def start(self) -> None:
+        if self.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        self.stats.watch_gc()
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.stats.unwatch_gc()
 
     def check_input(self, input_ids: list[int], max_new_tokens: int = 0) -> None:
         """Raise BadRequestError for input this engine cannot run (before anything is queued).
@@ -208,6 +223,7 @@ class Scheduler:
         request = Request(rid, list(input_ids), params, random.Random(seed), loop.create_future(), loop,
                           logprob_start_len=logprob_start_len, stop_ids=stop_ids,
                           limit=min(params.max_new_tokens, self.context_length - len(input_ids)))
+        self.stats.arrived()
         self._inbox.put(request)
         self._wake.set()
         return request.done
@@ -302,6 +318,12 @@ class Scheduler:
                 self._collect_burst()
             if self._paused or not (self._waiting or self._batch):
                 self._publish()
+                if not self._paused:
+                    self.stats.idle()
+                if self.gc_freeze and not self._frozen_after_work and self.steps:
+                    self._frozen_after_work = True
+                    gc.collect()
+                    gc.freeze()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -370,6 +392,7 @@ class Scheduler:
         ahead = isinstance(batch, _SlotBatch) and batch.pending is not None  # its new rows would lack logits
         if room > 0 and self._waiting and (batch is None or (not ahead and self._group_closed(room))):
             self.prefills += 1
+            started = time.perf_counter()
             admitted, self._waiting = self._waiting[:room], self._waiting[room:]
             scoring = [r for r in admitted if r.params.max_new_tokens == 0]
             if scoring:  # prompt scoring only (e.g. teacher log-probs): no token is generated
@@ -378,6 +401,8 @@ class Scheduler:
             if admitted:
                 self._prefill(admitted)
                 self._drop_finished()  # rows that stopped at their first token
+            self.stats.prefilled(len(admitted), time.perf_counter() - started,
+                                 len(self._waiting) + self._inbox.qsize())
         if self._batch is not None:
             self._decode()
         self._drop_finished()
@@ -432,10 +457,20 @@ class Scheduler:
         if isinstance(batch, _SlotBatch):
             self._decode_slots(batch)
             return
+        start = time.perf_counter()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
-        batch.next_tokens = self._choose(batch.requests, logits)
+        launched = time.perf_counter()
+        tokens, logprobs = self._sample(batch.requests, logits)
+        sampled = time.perf_counter()
+        host = self._copy_to_host(tokens, logprobs)()
+        fetched = time.perf_counter()
+        self._record(batch.requests, *host)
+        batch.next_tokens = tokens
+        end = time.perf_counter()
+        self.stats.decoded(len(batch.requests), launched - start, sampled - launched, fetched - sampled,
+                           end - fetched, end - start)
 
     def _decode_slots(self, batch: _SlotBatch) -> None:
         """One slot-cache step, overlapped with the host: the sampled tokens stay on the device and
@@ -444,19 +479,28 @@ class Scheduler:
         idle during that bookkeeping. Rows that finish now were decoded once more for nothing; their
         pending rows are dropped with them (`_compact_slots`). Nothing is launched ahead while
         requests wait to join (their rows would lack pending logits)."""
+        start = time.perf_counter()
         if batch.pending is not None:
             logits, batch.pending = batch.pending, None
         else:
             logits = self._slots.decode(batch.next_tokens, batch.lengths)
             batch.lengths = [n + 1 for n in batch.lengths]
+        launched = time.perf_counter()
         tokens, logprobs = self._sample(batch.requests, logits)
         batch.next_tokens = tokens
         fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
+        sampled = time.perf_counter()
         if self.overlap and not self._waiting and self._inbox.empty():
             batch.pending = self._slots.decode(tokens, batch.lengths)
             batch.lengths = [n + 1 for n in batch.lengths]
             self.decodes_ahead += 1
-        self._record(batch.requests, *fetch())
+        ahead = time.perf_counter()
+        host = fetch()
+        fetched = time.perf_counter()
+        self._record(batch.requests, *host)
+        end = time.perf_counter()
+        self.stats.decoded(len(batch.requests), (launched - start) + (ahead - sampled), sampled - launched,
+                           fetched - ahead, end - fetched, end - start)
 
     def _discard_pending(self) -> None:
         """Forget the decode launched ahead: the next step feeds the same tokens at the same
