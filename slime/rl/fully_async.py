@@ -193,7 +193,7 @@ class FullyAsyncRollout:
             elapsed, self._last_batch = now - self._last_batch, now
             self.next_rollout_id += 1
             counts["kept"] = len(kept)
-            held = len(self._completed) + self._inflight + len(self._interrupted)
+            held = self._held()
         self._signal(self._wake)
         metrics = rollout_metrics(self.args, kept, counts, reasons, elapsed, tokens, trainer_version=rollout_id)
         metrics.update({"async/groups/held": held, "async/groups/stale_dropped": counts["stale_dropped"],
@@ -347,12 +347,20 @@ class FullyAsyncRollout:
                 self._cond.notify_all()
             self._paused.set()
 
+    def held(self) -> int:
+        """Groups held now: finished and not yet taken, in flight, or interrupted."""
+        with self._cond:
+            return self._held()
+
+    def _held(self) -> int:  # the lock taken
+        return len(self._completed) + self._inflight + len(self._interrupted)
+
     def _admit(self) -> list[list[Sample]]:
         """Groups to start now: interrupted ones first, then new prompts, within the window."""
         with self._cond:
             lag = self.max_lag if self.max_lag is not None else DEFAULT_WINDOW_LAG
             allowed = (self.engine_version + lag + 1 - self.next_rollout_id) * self.batch_groups
-            room = allowed - (len(self._completed) + self._inflight + len(self._interrupted))
+            room = allowed - self._held()
             groups, self._interrupted = self._interrupted, []
             if room > 0:
                 fresh = self.data_source.get_samples(room, self.next_rollout_id)

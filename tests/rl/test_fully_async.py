@@ -156,6 +156,10 @@ def test_state_dict_carries_every_group_to_a_new_generator(cluster, tiny_kit, ve
     gen.start()
     try:
         first = drive(cluster, gen, 2)
+        # the generator admits after the resume that ends `drive`: wait until it has, or the pause can come first
+        deadline = time.monotonic() + 60
+        while gen.held() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         gen.pause()
         state = gen.state_dict()
     finally:
