@@ -147,6 +147,8 @@ def main() -> None:
             **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
                          peak_tflops=args.peak_tflops, forward_passes=2 if grpo else 0),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            # the caching allocator freeing its cache to retry a failed cudaMalloc: each is a device-wide sync
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
             "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **kernels, **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
         if args.profile:
