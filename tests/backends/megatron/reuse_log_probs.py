@@ -7,7 +7,8 @@
 (8 samples) trains the actor away from the reference; then rollout 1 (8 samples) is trained twice from the same
 weights: with the pass forced (`can_reuse_log_probs` patched to False), then as the rank decides (it skips
 the pass). One JSON row per run: the step's metrics and how many log-prob passes ran on the actor and on the
-reference. Then a rollout of 16 samples (two optimizer steps) must run the pass again. `kl-coef`: kl_coef 0.1 on
+reference. Then a rollout of 16 samples (two optimizer steps) must run the pass again, and rollout 3, half of whose
+samples lack rollout log-probs, is trained both ways. `kl-coef`: kl_coef 0.1 on
 a rollout of one step: the pass runs.
 """
 
@@ -21,6 +22,7 @@ import slime.backends.megatron.logprobs as logprobs
 import slime.ray.train_actor as train_actor
 from slime.config import Config
 from slime.ray.train_actor import TrainActor, copy_weights, snapshot
+from slime.storage import read_samples, write_samples
 
 KEYS = ("train/loss", "train/grad_norm", "train/pg_loss", "train/ppo_kl", "train/pg_clipfrac", "train/kl_loss",
         "train/train_rollout_logprob_abs_diff", "rollout/log_probs", "rollout/kl", "rollout/entropy",
@@ -67,6 +69,17 @@ def reuse(model_dir: str, work: Path) -> None:
     copy_weights(before, actor.models)
     train(actor, 1, str(work / "r8"), "reuse")
     train(actor, 2, str(work / "r16"), "two steps")
+    # half the samples without rollout log-probs: the gap is over the other half's tokens on both paths
+    mixed = read_samples(str(work / "r8"))
+    for sample in mixed[1::2]:
+        sample.rollout_log_probs = None
+    write_samples(str(work / "mixed"), mixed)
+    before = snapshot(actor.models)
+    train_actor.can_reuse_log_probs = lambda *args: False
+    train(actor, 3, str(work / "mixed"), "mixed recompute")
+    train_actor.can_reuse_log_probs = decide
+    copy_weights(before, actor.models)
+    train(actor, 3, str(work / "mixed"), "mixed reuse")
     actor.close()
 
 

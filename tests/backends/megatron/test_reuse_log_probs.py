@@ -58,6 +58,10 @@ def test_a_rank_that_skips_the_pass_trains_and_reports_as_the_recompute_path(tin
         assert reuse[key] == pytest.approx(recompute[key], rel=1e-6, abs=1e-6), key
     assert abs(recompute["train/ppo_kl"]) < 1e-6  # the recomputed old log-probs are the loss's own
     assert not any(r["leaked"] for r in rows.values()), rows
+    mixed, mixed_reuse = rows["mixed recompute"], rows["mixed reuse"]
+    assert mixed_reuse["calls"]["actor"] == 0 and mixed["calls"]["actor"] == 1, rows
+    for key in SAME:
+        assert mixed_reuse[key] == pytest.approx(mixed[key], rel=1e-6, abs=1e-6), key
 
 
 def test_kl_coef_keeps_the_pass(tiny_kit, tmp_path):
