@@ -4,6 +4,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo --reuse-log-probs
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron gradient_accumulation_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
@@ -18,7 +19,10 @@ train actor pays it (slime/ray/train_actor.py): the old policy's log-probs recom
 (built without DDP as the actor builds its reference, starting from the policy's weights), then
 `train_step` with the policy loss (PPO clip, entropy as a metric) plus a low_var_kl loss to the
 reference (`kl_loss_coef` 0.01) on per-sample advantages; prompts are the first quarter of each
-sequence, responses the rest. Prints one JSON line per configuration:
+sequence, responses the rest. `--reuse-log-probs` times what the train actor does when a rollout is one
+optimizer step (slime's can_reuse_log_probs_in_loss, docs/rl.md): no old-policy pass, the loss takes its own
+log-probs, detached, as the old ones (`StepSettings.reuse_log_probs`); the reference pass stays. Prints one
+JSON line per configuration:
 
 * tokens/s = tokens per step (global batch x sequence) / median step time;
 * MFU = 6 * params * tokens/s / peak (params counts the tied embedding once: it is the output
@@ -26,8 +30,8 @@ sequence, responses the rest. Prints one JSON line per configuration:
   (6 * layers * seq * hidden per token, i.e. half of the full 12 L s h); `bench/mfu.py`, shared with
   the plain-PyTorch reference `bench/torch_reference.py`;
 * with `--loss grpo` the step includes the two forward-only passes, each counted as 2 * params per
-  token (attention likewise a third of the train figure): 10 N in all; `logprobs_s` and `train_s`
-  split the step time;
+  token (attention likewise a third of the train figure): 10 N in all (8 N with `--reuse-log-probs`: one
+  pass); `logprobs_s` and `train_s` split the step time;
 * peak is H100 dense bf16, 989 TFLOP/s, unless `--peak-tflops` says otherwise.
 With `--lora-rank R` every linear layer gets rank-R adapters on the frozen base (docs/lora.md): the
 base's weight gradients are skipped, so the same MFU formula (6 x params) overstates the work done;
@@ -60,6 +64,9 @@ def main() -> None:
     add_step_arguments(parser)
     parser.add_argument("--loss", choices=("sft", "grpo"), default="sft",
                         help="sft: SFT steps; grpo: old and reference log-probs, then the policy loss with KL")
+    parser.add_argument("--reuse-log-probs", action="store_true",
+                        help="--loss grpo: skip the old-policy pass, the loss reuses its own log-probs (one step "
+                             "per rollout, as the train actor does then)")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1,
                         help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
@@ -77,6 +84,8 @@ def main() -> None:
     megatron = megatron_options(args.megatron)
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
+    if args.reuse_log_probs and args.loss != "grpo":
+        raise SystemExit("--reuse-log-probs needs --loss grpo (it skips the old-policy log-prob pass)")
     if args.loss == "grpo" and args.lora_rank:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
@@ -106,7 +115,7 @@ def main() -> None:
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
-                            log_probs_chunk_size=args.log_probs_chunk_size)
+                            log_probs_chunk_size=args.log_probs_chunk_size, reuse_log_probs=args.reuse_log_probs)
     generator = torch.Generator().manual_seed(0)
     for n, seq in enumerate(args.seq):
         if n and cuda_graphs.enabled(models):  # graphs replay one shape: capture again for this length
@@ -142,10 +151,11 @@ def main() -> None:
             "model": args.model, "loss_kind": args.loss, "params": params, "seq": seq,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "step_s": round(step_s, 4),
             "steps": args.steps, "lora_rank": args.lora_rank, "log_probs_chunk_size": args.log_probs_chunk_size,
-            "megatron": megatron,
+            "megatron": megatron, "reuse_log_probs": args.reuse_log_probs,
             "trainable_params": count_parameters(models)["trainable"], "tokens_per_s": round(tokens_per_s),
             **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
-                         peak_tflops=args.peak_tflops, forward_passes=2 if grpo else 0),
+                         peak_tflops=args.peak_tflops,
+                         forward_passes=(1 if args.reuse_log_probs else 2) if grpo else 0),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             # the caching allocator freeing its cache to retry a failed cudaMalloc: each is a device-wide sync
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
@@ -197,14 +207,15 @@ def megatron_options(pairs: list[str]) -> dict[str, Any]:
 
 def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module], samples: list[Any],
                 advantages: list[float], settings: Any, vocab_size: int) -> Any:
-    """What the train actor computes before a GRPO step: old-policy and reference log-probs (forward only)."""
+    """What the train actor computes before a GRPO step: old-policy (unless `settings.reuse_log_probs`) and
+    reference log-probs (forward only)."""
     from slime.backends.megatron.logprobs import compute_log_probs
     from slime.backends.megatron.step_data import TrainArrays
 
     batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
                     chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature)
-    return TrainArrays(advantages=advantages,
-                       old_log_probs=compute_log_probs(models, samples, **batching).log_probs,
+    old = None if settings.reuse_log_probs else compute_log_probs(models, samples, **batching).log_probs
+    return TrainArrays(advantages=advantages, old_log_probs=old,
                        ref_log_probs=compute_log_probs(ref_models, samples, **batching).log_probs)
 
 

@@ -6,17 +6,18 @@ Per rollout (`train`), each rank:
    reward normalisation needs whole groups), normalises rewards per group (`slime.algorithms.rewards`);
 2. cuts the batch into `steps` optimizer steps of `global_batch_size` samples (or `num_steps_per_rollout`
    equal steps; a remainder is dropped, as in slime) and takes every dp-th sample of each step;
-3. computes, over its share, the old log-probs (always: they are the ratio's denominator when a rollout
-   has several steps, and give the train-vs-rollout log-prob gap), the reference log-probs when KL is
-   used (`use_kl_loss` or `kl_coef`; the reference is a second, frozen model), then advantages
-   (`compute_advantages`, `whiten_over_dp` with `normalize_advantages`);
+3. computes, over its share, the old log-probs (the ratio's denominator when a rollout has several steps;
+   skipped when `can_reuse_log_probs` holds, as slime's can_reuse_log_probs_in_loss: the one step's loss
+   uses its own forward's log-probs, detached, and reports the rollout metrics that read them), the
+   reference log-probs when KL is used (`use_kl_loss` or `kl_coef`; the reference is a second, frozen
+   model), then advantages (`compute_advantages`, `whiten_over_dp` with `normalize_advantages`);
 4. runs `train_step` per step and returns the mean of the steps' global metrics with slime's names.
 
 Weights at `init`: the newest committed checkpoint under `save` (a resume: full training state, next
 rollout id = its iteration + 1), else `load` (a full RL checkpoint resumes; a model-only one, e.g. a
 conversion or SFT output, only gives weights), else `ref_load`, else the HF checkpoint. Checkpoint
 iteration = rollout id. Everything returned is a small JSON-able dict. Departures from slime: the
-reference is a separate model rather than a CPU copy swapped in; old log-probs are never skipped.
+reference is a separate model rather than a CPU copy swapped in.
 """
 
 from __future__ import annotations
@@ -54,6 +55,35 @@ def total_train_steps(config: Config) -> int | None:
     if not r.num_rollout or not r.rollout_batch_size:
         return None
     return r.num_rollout * steps_per_rollout(config, r.rollout_batch_size * r.n_samples_per_prompt)
+
+
+def can_reuse_log_probs(config: Config, steps: int, hooks: Any) -> bool:
+    """Whether the old-log-prob pass can be skipped: slime's can_reuse_log_probs_in_loss (one optimizer step per
+    rollout, so the old policy is the one the loss runs; policy loss; no kl_coef, rollout log-probs as old,
+    mismatch metrics, critic, old actor or GSPO), plus what reads old log-probs before the step here: the
+    advantage and rollout-data-postprocess hooks and --log-correct-samples (per-sample log-probs)."""
+    a = config.algorithm
+    return (steps == 1 and a.loss_type == "policy_loss" and a.kl_coef == 0 and not a.use_rollout_logprobs
+            and not a.get_mismatch_metrics and not a.keep_old_actor and a.advantage_estimator not in ("gspo", "ppo")
+            and not config.run.log_correct_samples and hooks.advantage is None
+            and hooks.rollout_data_postprocess is None)
+
+
+def reused_log_prob_stats(row: dict[str, float], with_kl: bool, with_entropy: bool) -> dict[str, float]:
+    """The rollout metrics of the skipped old-log-prob pass (same names and meaning as `_arrays`'), from the
+    REUSED_PREFIX sums a `reuse_log_probs` step reports; pops those sums from `row`."""
+    from slime.backends.megatron.train import REUSED_PREFIX
+
+    sums = {k[len(REUSED_PREFIX):]: row.pop(k) for k in list(row) if k.startswith(REUSED_PREFIX)}
+    tokens = max(sums["tokens"], 1.0)
+    stats = {"rollout/log_probs": sums["log_probs"] / tokens}
+    if sums["abs_diff_tokens"] > 0:
+        stats["train/train_rollout_logprob_abs_diff"] = sums["abs_diff"] / sums["abs_diff_tokens"]
+    if with_kl:
+        stats["rollout/kl"] = sums["kl"] / tokens
+    if with_entropy:
+        stats["rollout/entropy"] = sums["entropy"] / tokens
+    return stats
 
 
 def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
@@ -179,6 +209,7 @@ class TrainActor:
         # --keep-old-actor: CPU copies of the weights the engines generate with (old) and were last given (rollout)
         self.old_weights: dict[str, Any] | None = None
         self.rollout_weights: dict[str, Any] | None = None
+        self.reusing_log_probs: bool | None = None  # the last rollout's can_reuse_log_probs (logged when it changes)
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -386,9 +417,17 @@ class TrainActor:
                             parallel_state.get_data_parallel_world_size(), workloads)
         mine = [s for share in shares for s in share]
         t1 = time.monotonic()
-        arrays, stats = self._arrays(rollout_id, mine)
+        reuse = (not c.algorithm.disable_compute_advantages_and_returns
+                 and can_reuse_log_probs(c, steps, self.hooks))
+        if reuse != self.reusing_log_probs:
+            self.reusing_log_probs = reuse
+            logger.info("rank %d rollout %d: old log-probs %s", self.rank, rollout_id,
+                        "not recomputed: one optimizer step per rollout, the loss uses its own log-probs, detached "
+                        "(slime's can_reuse_log_probs_in_loss)" if reuse else "recomputed before training")
+        arrays, stats = self._arrays(rollout_id, mine, reuse)
         t2 = time.monotonic()
         settings = StepSettings.from_config(c)
+        settings.reuse_log_probs = reuse
         if c.train.balance_by_flops:  # slime: micro-batches of even estimated FLOPs
             settings.workload = self._flops
         rows, start = [], 0
@@ -413,6 +452,9 @@ class TrainActor:
             reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
         self.profiler.step(rollout_id)
+        if reuse:  # one step: its forward's log-probs are the old policy's
+            stats.update(reused_log_prob_stats(rows[0], with_kl=arrays.ref_log_probs is not None,
+                                               with_entropy=c.algorithm.use_rollout_entropy))
         metrics = {f"train/{k}": v for k, v in _mean_metrics(rows).items()}
         interval = c.algorithm.ref_update_interval
         if interval and self.ref_models and (rollout_id + 1) % interval == 0:  # slime: the reference := the actor
@@ -488,8 +530,9 @@ class TrainActor:
                                       disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
         return raw.tolist(), normalize_group_rewards(raw, n, **how._asdict()).tolist()
 
-    def _arrays(self, rollout_id: int, mine: list[Any]) -> tuple[Any, dict[str, float]]:
-        """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics."""
+    def _arrays(self, rollout_id: int, mine: list[Any], reuse: bool = False) -> tuple[Any, dict[str, float]]:
+        """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics; with
+        `reuse` (`can_reuse_log_probs`) no old log-probs, and the metrics that read them come from the step."""
         import torch
 
         from slime.algorithms.advantages import compute_advantages
@@ -508,16 +551,18 @@ class TrainActor:
                         chunk_size=t.log_probs_chunk_size,
                         profile=lambda items: self.profiler.iterate("train_log_probs", items),
                         workload=self._flops if t.balance_by_flops else None)
-        if self.hooks.before_log_prob is not None:
-            self.hooks.before_log_prob(c.as_namespace(), self.models, "")
-        current = None
-        if self.old_weights is not None:  # slime's --keep-old-actor: old log-probs under the rollout's weights
-            current = snapshot(self.models)
-            copy_weights(self.old_weights, self.models)
-        actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
-        if current is not None:
-            copy_weights(current, self.models)
-        old = actor.log_probs
+        old = entropies = None
+        if not reuse:
+            if self.hooks.before_log_prob is not None:
+                self.hooks.before_log_prob(c.as_namespace(), self.models, "")
+            current = None
+            if self.old_weights is not None:  # slime's --keep-old-actor: old log-probs under the rollout's weights
+                current = snapshot(self.models)
+                copy_weights(self.old_weights, self.models)
+            actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+            if current is not None:
+                copy_weights(current, self.models)
+            old, entropies = actor.log_probs, actor.entropies
         ref = None
         if self.ref_models:
             if self.hooks.before_log_prob is not None:
@@ -530,17 +575,20 @@ class TrainActor:
                 self.hooks.before_log_prob(c.as_namespace(), self.models, "ref_")
             with reference_adapters(self.models, self.lora_reference):
                 ref = compute_log_probs(self.models, mine, **batching).log_probs
-        old_padded, mask = stack_rows(mine, old)
+        _, mask = stack_rows(mine)
         # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy
         sums = torch.zeros(7, dtype=torch.float64)
-        if actor.entropies is not None:  # --use-rollout-entropy
-            sums[6] = float(stack_rows(mine, actor.entropies)[0][mask].sum())
-        kl = torch.zeros_like(old_padded)
-        if ref is not None:
-            kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
-            sums[2] = float(kl[mask].sum())
-        sums[3], sums[5] = float(old_padded[mask].sum()), float(mask.sum())
-        for sample, logp in zip(mine, old, strict=True):
+        sums[5] = float(mask.sum())
+        if entropies is not None:  # --use-rollout-entropy
+            sums[6] = float(stack_rows(mine, entropies)[0][mask].sum())
+        kl = torch.zeros(mask.shape, dtype=torch.float32)  # with reuse, kl_coef is 0: advantages ignore it
+        if old is not None:
+            old_padded = stack_rows(mine, old)[0]
+            if ref is not None:
+                kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
+                sums[2] = float(kl[mask].sum())
+            sums[3] = float(old_padded[mask].sum())
+        for sample, logp in zip(mine, old, strict=True) if old is not None else ():
             if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length:
                 m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
                 diff = (logp - torch.tensor(sample.rollout_log_probs, dtype=torch.float32)).abs()
@@ -550,8 +598,8 @@ class TrainActor:
         hooks = self.hooks
         data = self._rollout_data(mine, old, ref, split_rows(kl, mine)) if hooks.advantage or \
             hooks.rollout_data_postprocess else {}
-        if data and actor.entropies is not None:
-            data["entropy"] = actor.entropies
+        if data and entropies is not None:
+            data["entropy"] = entropies
         if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
             hooks.advantage(c.as_namespace(), data)
             per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
@@ -573,12 +621,14 @@ class TrainActor:
         sums[4] = float(stack_rows(mine, per_sample)[0][mask].sum())
         _all_reduce(sums)
         tokens = max(float(sums[5]), 1.0)
-        stats = {"rollout/log_probs": float(sums[3]) / tokens, "rollout/advantages": float(sums[4]) / tokens}
+        stats = {"rollout/advantages": float(sums[4]) / tokens}
+        if old is not None:
+            stats["rollout/log_probs"] = float(sums[3]) / tokens
         if sums[1] > 0:
             stats["train/train_rollout_logprob_abs_diff"] = float(sums[0] / sums[1])
-        if ref is not None:
+        if ref is not None and old is not None:
             stats["rollout/kl"] = float(sums[2]) / tokens
-        if actor.entropies is not None:
+        if entropies is not None:
             stats["rollout/entropy"] = float(sums[6]) / tokens
         if c.run.log_correct_samples:
             stats.update(self._correct_sample_stats(mine, old))

@@ -22,6 +22,11 @@ def test_grpo_step_pieces(tiny_kit):
     # after one step the policy has moved away from the frozen reference
     assert second["old_vs_direct"] < 1e-6 and second["old_vs_ref"] > 1e-4 and second["kl_loss"] > 0, row
     assert first["grad_norm"] > 0, row
+    # --reuse-log-probs: no old-policy pass, and the same step
+    recomputed, reused = row["reuse"]["false"], row["reuse"]["true"]
+    assert recomputed["has_old"] and not reused["has_old"], row
+    for key in ("loss", "grad_norm", "pg_loss"):
+        assert reused[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-7), key
 
 
 def test_megatron_options_are_read_as_the_config_reads_them():

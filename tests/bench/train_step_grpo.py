@@ -1,10 +1,12 @@
 """Run in a subprocess by test_train_step_bench.py: bench/train_step.py's GRPO pieces on the tiny model
 (CPU, fp32): the reference model starts as the policy, the recomputed old and reference log-probs are the
-model's own, and a policy step with the KL loss runs on them.
+model's own, and a policy step with the KL loss runs on them; then, at lr 0, a step as `--reuse-log-probs` times it
+(no old-policy pass) against the recomputed one.
 
     python train_step_grpo.py HF_DIR   -> prints one JSON line
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -46,7 +48,16 @@ def main() -> None:
         rows.append({"old_vs_direct": (old - direct).abs().max().item(), "old_vs_ref": (old - ref).abs().max().item(),
                      "kl_loss": metrics["kl_loss"], "grad_norm": metrics["grad_norm"]})
     ref_trainable = sum(p.requires_grad for m in ref_models for p in m.parameters())
-    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable}), flush=True)
+    for group in optimizer.param_groups:  # both steps below start from the same weights
+        group["lr"] = 0.0
+    reuse = {}
+    for flag in (False, True):
+        step_settings = dataclasses.replace(settings, reuse_log_probs=flag)
+        arrays = grpo_arrays(models, ref_models, samples, [1.0, -1.0, 0.5, -0.5], step_settings, vocab)
+        metrics = train_step(models, optimizer, samples, step_settings, vocab_size=vocab, arrays=arrays)
+        reuse[str(flag).lower()] = {"has_old": arrays.old_log_probs is not None, "loss": metrics["loss"],
+                                    "grad_norm": metrics["grad_norm"], "pg_loss": metrics["pg_loss"]}
+    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable, "reuse": reuse}), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class MicroBatch:
     ref_log_probs: torch.Tensor | None
     returns: torch.Tensor | None
     old_values: torch.Tensor | None
+    rollout_rows: torch.Tensor | None = None  # bool [b]: rows whose sample carries rollout log-probs
 
 
 def _rows(values: list, width: int, device: torch.device) -> torch.Tensor:
@@ -100,13 +101,15 @@ def build_micro_batch(samples: list[Sample], indices: list[int], arrays: TrainAr
     if advantages is None:
         advantages = _rows([(float((s.metadata or {}).get("advantage", 0.0)), s.response_length) for s in chunk],
                            width, device)
-    rollout = None
-    if all(s.rollout_log_probs is not None for s in chunk):
-        rollout = _rows([(s.rollout_log_probs, s.response_length) for s in chunk], width, device)
+    rollout, rollout_rows = None, None
+    if any(s.rollout_log_probs is not None for s in chunk):  # rows without them are zeros (rollout_rows: False)
+        rollout = _rows([(0.0 if s.rollout_log_probs is None else s.rollout_log_probs, s.response_length)
+                         for s in chunk], width, device)
+        rollout_rows = to_device(torch.tensor([s.rollout_log_probs is not None for s in chunk]), device)
     return MicroBatch(indices=list(indices), batch=batch, loss_mask=to_device(loss_mask, device), advantages=advantages,
                       rollout_log_probs=rollout, old_log_probs=column("old_log_probs"),
                       ref_log_probs=column("ref_log_probs"), returns=column("returns"),
-                      old_values=column("old_values"))
+                      old_values=column("old_values"), rollout_rows=rollout_rows)
 
 
 def stack_rows(samples: list[Sample], rows: list[PerSample] | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -27,7 +27,9 @@ with `use_rollout_logprobs`, else `TrainArrays.old_log_probs` when the caller re
 forward's own log-probs, detached: slime's shortcut for the first step on a rollout's policy, where the
 ratio is exactly 1 (a caller taking several steps per rollout must pass the log-probs computed before
 the first, or the ratio never leaves 1). TIS weights compare the trainer's old log-probs (the same fallback) with the
-rollout's.
+rollout's. With `reuse_log_probs` (the caller skipped its old-log-prob pass, slime's can_reuse_log_probs_in_loss)
+the step also reports, under `REUSED_PREFIX`, the sums that pass would have given the rollout metrics (log-probs,
+|old - rollout|, KL to the reference, entropy, and their token counts), taken from this forward, detached.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def load_tis_function(path: str) -> Callable[..., Any]:
     return fn
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "value_loss")
+# metrics of a `reuse_log_probs` step: sums over the step's trained tokens (all ranks) of this forward's log-probs
+REUSED_PREFIX = "reused_log_probs/"
 
 
 @dataclass
@@ -110,6 +114,8 @@ class StepSettings:
     use_opsm: bool = False
     opsm_delta: float = 1e-4
     get_mismatch_metrics: bool = False
+    # the caller did not recompute old log-probs (one step per rollout): report REUSED_PREFIX sums for its metrics
+    reuse_log_probs: bool = False
     data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
     log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
     recompute_loss_function: bool = False  # score and loss from the logits recomputed in the backward pass
@@ -157,6 +163,9 @@ def _check_inputs(samples: list[Sample], settings: StepSettings, arrays: TrainAr
     if not samples:
         raise ConfigError("train_step needs at least one sample on every data-parallel rank")
     arrays.check(samples)
+    if settings.reuse_log_probs and (settings.loss_type != "policy_loss" or arrays.old_log_probs is not None):
+        raise ConfigError("reuse_log_probs means the loss's own log-probs are the old ones: it needs loss_type "
+                          "policy_loss and no TrainArrays.old_log_probs")
     if settings.loss_type == "policy_loss" and (settings.use_rollout_logprobs or settings.use_tis
                                                 or settings.get_mismatch_metrics):
         for sample in samples:
@@ -245,7 +254,26 @@ def _policy_terms(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: t
         kl_loss = reduce(kl, mask)
         total = total + s.kl_loss_coef * kl_loss
         parts["kl_loss"] = kl_loss
+    if s.reuse_log_probs:
+        parts.update(_reused_sums(step, micro, logp.detach(), entropy, mask))
     return total, parts
+
+
+def _reused_sums(step: _Step, micro: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over this micro-batch's trained tokens that the skipped old-log-prob pass would have given the
+    rollout metrics; every micro-batch reports every key (the metrics are summed name by name)."""
+    logp = logp.float()
+    sums = {"tokens": mask.sum(), "log_probs": logp[mask].sum(), "entropy": entropy.detach().float()[mask].sum()}
+    if micro.rollout_log_probs is not None:  # only the rows whose samples carry rollout log-probs
+        rows = mask & micro.rollout_rows[:, None]
+        sums["abs_diff"] = (logp - micro.rollout_log_probs).abs()[rows].sum()
+        sums["abs_diff_tokens"] = rows.sum()
+    else:
+        sums["abs_diff"] = sums["abs_diff_tokens"] = torch.zeros((), device=logp.device)
+    if micro.ref_log_probs is not None:
+        sums["kl"] = compute_approx_kl(logp, micro.ref_log_probs, step.settings.kl_loss_type)[mask].sum()
+    return {REUSED_PREFIX + name: value.to(torch.float64) for name, value in sums.items()}
 
 
 def _flat(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -26,7 +26,15 @@ def test_micro_batch_tensors():
     assert micro.advantages.tolist() == [[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0]]
     assert torch.allclose(micro.rollout_log_probs, torch.tensor([[-1.0, -2.0, 0.0], [-0.1, -0.2, -0.3]]))
     assert micro.ref_log_probs.tolist() == [[-3.0, -4.0, 0.0], [-5.0, -6.0, -7.0]]
-    assert micro.old_log_probs is None and micro.returns is None
+    assert micro.old_log_probs is None and micro.returns is None and micro.rollout_rows.tolist() == [True, True]
+    # a sample without rollout log-probs: zeros in its row, marked so (the reused-log-prob metrics skip it)
+    xs[0].rollout_log_probs = None
+    mixed = build_micro_batch(xs, [0, 1], TrainArrays(), pad_token_id=0, device=torch.device("cpu"))
+    assert mixed.rollout_rows.tolist() == [False, True] and mixed.rollout_log_probs[0].tolist() == [0.0, 0.0, 0.0]
+    xs[1].rollout_log_probs = None
+    assert build_micro_batch(xs, [0, 1], TrainArrays(), pad_token_id=0, device=torch.device("cpu")).rollout_log_probs \
+        is None
+    xs = samples()
     # per-token advantages replace the scalar path; a scalar entry still broadcasts
     per_token = build_micro_batch(xs, [1, 0], TrainArrays(advantages=[[1.0, 2.0], 3.0]), pad_token_id=0,
                                   device=torch.device("cpu"))
@@ -44,6 +52,9 @@ def test_train_arrays_lengths_are_checked():
     (StepSettings(loss_type="custom_loss"), None, ConfigError, "loss_type 'custom_loss'"),
     (StepSettings(loss_type="policy_loss", use_kl_loss=True, kl_loss_coef=0.1), None, ConfigError, "ref_log_probs"),
     (StepSettings(loss_type="value_loss"), None, ConfigError, "returns"),
+    (StepSettings(loss_type="sft_loss", reuse_log_probs=True), None, ConfigError, "reuse_log_probs"),
+    (StepSettings(loss_type="policy_loss", reuse_log_probs=True),
+     TrainArrays(old_log_probs=[[0.0, 0.0], [0.0, 0.0, 0.0]]), ConfigError, "no TrainArrays.old_log_probs"),
 ])
 def test_train_step_refuses_missing_inputs(settings, arrays, error, match):
     with pytest.raises(error, match=match):
