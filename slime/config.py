@@ -1355,10 +1355,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
         fail("data.rollout_max_prompt_len", "needs checkpoint.hf_checkpoint for its tokenizer")
     if config.engine.engine == "builtin" and (dtype := config.sglang_arg("dtype")) is not None:
-        from slime.engines.builtin.launcher import BUILTIN_DTYPES
+        from slime.engines.builtin.launcher import DTYPES
 
-        if str(dtype) not in BUILTIN_DTYPES:
-            fail("sglang.dtype", f"{dtype!r} is not a dtype the built-in engine runs in; one of {sorted(BUILTIN_DTYPES)}")
+        if str(dtype) not in DTYPES:
+            fail("sglang.dtype", f"{dtype!r} is not a dtype the built-in engine runs in; one of {sorted(DTYPES)}")
     if config.sglang or config.router:
         from slime.engines.router import check_router_args
         from slime.engines.sglang_server import check_sglang_args

@@ -177,7 +177,7 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
     `CUDA_VISIBLE_DEVICES` = `devices`) and wait until it can generate; `keep(server)` receives the
     server as soon as it exists (to stop it, also after a failed start). Returns the URL other nodes
     reach it at: by this node's IP when it binds a wildcard address (the router may be on another node)."""
-    from slime.engines.builtin.launcher import BUILTIN_DTYPES, start_builtin_engine
+    from slime.engines.builtin.launcher import start_builtin_engine
     from slime.engines.sglang_server import SGLangEngine
 
     c, host = config, config.engine.engine_host
@@ -192,7 +192,7 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
         return reachable_url(engine.start().url, host)
     extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
     extra += flags_to_argv(lora_engine_args(c))
-    dtype = BUILTIN_DTYPES[str(c.sglang_arg("dtype") or "auto")]  # --sglang-dtype, checked when the config loads
+    dtype = str(c.sglang_arg("dtype") or "auto")  # --sglang-dtype, checked when the config loads
     with _launch_lock, _visible_devices(devices):
         server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,
                                            dtype=dtype, extra_args=extra)

@@ -69,21 +69,30 @@ def can_reuse_log_probs(config: Config, steps: int, hooks: Any) -> bool:
             and hooks.rollout_data_postprocess is None)
 
 
+def log_prob_stats(tokens: float, log_probs: float, abs_diff: float, abs_diff_tokens: float,
+                   kl: float | None = None, entropy: float | None = None) -> dict[str, float]:
+    """The rollout metrics read off the old log-probs, from their sums over the trained tokens of all ranks:
+    mean log-prob, mean |old - rollout| (over the samples with rollout log-probs), KL to the reference and
+    entropy (each where given). One formula for the recomputed pass (`_arrays`) and the reused one."""
+    tokens = max(tokens, 1.0)
+    stats = {"rollout/log_probs": log_probs / tokens}
+    if abs_diff_tokens > 0:
+        stats["train/train_rollout_logprob_abs_diff"] = abs_diff / abs_diff_tokens
+    if kl is not None:
+        stats["rollout/kl"] = kl / tokens
+    if entropy is not None:
+        stats["rollout/entropy"] = entropy / tokens
+    return stats
+
+
 def reused_log_prob_stats(row: dict[str, float], with_kl: bool, with_entropy: bool) -> dict[str, float]:
-    """The rollout metrics of the skipped old-log-prob pass (same names and meaning as `_arrays`'), from the
-    REUSED_PREFIX sums a `reuse_log_probs` step reports; pops those sums from `row`."""
+    """The rollout metrics of the skipped old-log-prob pass (`log_prob_stats`), from the REUSED_PREFIX sums a
+    `reuse_log_probs` step reports; pops those sums from `row`."""
     from slime.backends.megatron.train import REUSED_PREFIX
 
     sums = {k[len(REUSED_PREFIX):]: row.pop(k) for k in list(row) if k.startswith(REUSED_PREFIX)}
-    tokens = max(sums["tokens"], 1.0)
-    stats = {"rollout/log_probs": sums["log_probs"] / tokens}
-    if sums["abs_diff_tokens"] > 0:
-        stats["train/train_rollout_logprob_abs_diff"] = sums["abs_diff"] / sums["abs_diff_tokens"]
-    if with_kl:
-        stats["rollout/kl"] = sums["kl"] / tokens
-    if with_entropy:
-        stats["rollout/entropy"] = sums["entropy"] / tokens
-    return stats
+    return log_prob_stats(sums["tokens"], sums["log_probs"], sums["abs_diff"], sums["abs_diff_tokens"],
+                          kl=sums["kl"] if with_kl else None, entropy=sums["entropy"] if with_entropy else None)
 
 
 def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
@@ -588,12 +597,12 @@ class TrainActor:
                 kl = compute_approx_kl(old_padded, stack_rows(mine, ref)[0], a.kl_loss_type)
                 sums[2] = float(kl[mask].sum())
             sums[3] = float(old_padded[mask].sum())
-        for sample, logp in zip(mine, old, strict=True) if old is not None else ():
-            if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length:
-                m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
-                diff = (logp - torch.tensor(sample.rollout_log_probs, dtype=torch.float32)).abs()
-                sums[0] += float(diff[m].sum())
-                sums[1] += float(m.sum())
+            for sample, logp in zip(mine, old, strict=True):
+                if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == sample.response_length:
+                    m = torch.tensor(sample.loss_mask or [1] * sample.response_length, dtype=torch.bool)
+                    diff = (logp - torch.tensor(sample.rollout_log_probs, dtype=torch.float32)).abs()
+                    sums[0] += float(diff[m].sum())
+                    sums[1] += float(m.sum())
         rewards = torch.tensor([s.metadata["normalized_reward"] for s in mine], dtype=torch.float32)
         hooks = self.hooks
         data = self._rollout_data(mine, old, ref, split_rows(kl, mine)) if hooks.advantage or \
@@ -620,16 +629,11 @@ class TrainActor:
             per_sample = whiten_over_dp(mine, per_sample)
         sums[4] = float(stack_rows(mine, per_sample)[0][mask].sum())
         _all_reduce(sums)
-        tokens = max(float(sums[5]), 1.0)
-        stats = {"rollout/advantages": float(sums[4]) / tokens}
-        if old is not None:
-            stats["rollout/log_probs"] = float(sums[3]) / tokens
-        if sums[1] > 0:
-            stats["train/train_rollout_logprob_abs_diff"] = float(sums[0] / sums[1])
-        if ref is not None and old is not None:
-            stats["rollout/kl"] = float(sums[2]) / tokens
-        if entropies is not None:
-            stats["rollout/entropy"] = float(sums[6]) / tokens
+        sums = sums.tolist()
+        stats = {} if old is None else log_prob_stats(  # reused: the step reports these (reused_log_prob_stats)
+            sums[5], sums[3], sums[0], sums[1], kl=sums[2] if ref is not None else None,
+            entropy=sums[6] if entropies is not None else None)
+        stats["rollout/advantages"] = sums[4] / max(sums[5], 1.0)
         if c.run.log_correct_samples:
             stats.update(self._correct_sample_stats(mine, old))
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats

@@ -112,9 +112,14 @@ def _chunks(models: Iterable[Any]) -> list[Any]:
     return [unwrap_model(m) for m in models]
 
 
+def _graphed(chunk: Any) -> bool:
+    """Whether an (unwrapped) model chunk was built with local CUDA graphs: its TransformerConfig says so."""
+    return getattr(getattr(chunk, "config", None), "cuda_graph_impl", "none") == "local"
+
+
 def enabled(models: Iterable[Any]) -> bool:
-    """Whether the model chunks were built with local CUDA graphs (their TransformerConfig says so)."""
-    return any(getattr(getattr(m, "config", None), "cuda_graph_impl", "none") == "local" for m in _chunks(models))
+    """Whether the model chunks were built with local CUDA graphs."""
+    return any(_graphed(m) for m in _chunks(models))
 
 
 def _input_requires_grad(module: Any, args: Any, output: Any) -> None:
@@ -134,7 +139,7 @@ def prepare(models: Iterable[Any]) -> int:
     hooked = 0
     for chunk in _chunks(models):
         embedding = getattr(chunk, "embedding", None)
-        if getattr(getattr(chunk, "config", None), "cuda_graph_impl", "none") != "local" or embedding is None:
+        if not _graphed(chunk) or embedding is None:
             continue
         if not any(p.requires_grad for p in embedding.parameters()):
             embedding.register_forward_hook(_input_requires_grad)
@@ -189,7 +194,7 @@ def eager(models: Iterable[Any]) -> Iterator[None]:
     graphs for the next train step. A no-op for chunks built without graphs."""
     from megatron.core.transformer.utils import toggle_cuda_graphs
 
-    chunks = [c for c in _chunks(models) if getattr(c.config, "cuda_graph_impl", "none") == "local"]
+    chunks = [c for c in _chunks(models) if _graphed(c)]
     for chunk in chunks:
         toggle_cuda_graphs(chunk, set_to="none", reset_cuda_graphs=False)
     try:

@@ -88,7 +88,8 @@ def _resolve_device(name: str) -> torch.device:
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "half": torch.float16}[name]
 
 
 class BuiltinEngine:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 from slime.engines.process import ServerProcess, find_free_port, local_host, server_url, start_server
 
-# SGLang's --dtype values and the built-in engine's name for each (half and float are SGLang's aliases); "auto"
-# is bf16 on CUDA and fp32 on the CPU
-BUILTIN_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-                  "float32": "float32", "float": "float32"}
+# the built-in engine's --dtype values: SGLang's, aliases included (half, float); "auto" is bf16 on CUDA and fp32
+# on the CPU. Here, free of torch, for the config check; the engine maps them (engine.py `_resolve_dtype`)
+DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 
 def start_builtin_engine(

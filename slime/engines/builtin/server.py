@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
+from slime.engines.builtin.launcher import DTYPES
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--context-length", type=int)
