@@ -254,6 +254,9 @@ def test_fully_async_pause_aborts_an_engine_restarted_on_a_new_port(async_manage
     urls, result = policy(mgr, "2")
     assert urls == [before[0]["url"], restarted["url"]] and result == {"rollout/engines_reregistered": 1}
     mgr.resume_generation(2)
+    # The health monitor's /health_generate is a one-token request the engine counts in num_reqs (as SGLang
+    # does) when it finds the engine idle: stopped here, so that num_reqs counts the generator's requests only.
+    mgr.monitor.pause()
     deadline = time.monotonic() + 120
     while _get(f"{restarted['url']}/get_load")[0]["num_reqs"] == 0:  # the generator sends it work
         assert time.monotonic() < deadline, "the restarted engine got no request"
@@ -270,6 +273,7 @@ def test_fully_async_pause_aborts_an_engine_restarted_on_a_new_port(async_manage
     mgr.pause_generation()
     assert restarted["url"] in aborted and before[1]["url"] not in aborted
     assert _get(f"{restarted['url']}/get_load")[0]["num_reqs"] == 0
+    mgr.monitor.resume()
     mgr.resume_generation(2)
     uri, metrics = mgr.take_batch(2)
     assert len(read_samples(uri)) == BATCH * GROUP and metrics["rollout/engines_serving"] == 2
