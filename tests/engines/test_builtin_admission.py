@@ -182,6 +182,36 @@ def test_busy_period_counts_one_burst(engine):
     assert period["build_s"] > 0 and period["replies"] == 0  # in process: no HTTP reply serialised
 
 
+def test_no_decode_is_launched_ahead_when_every_row_reaches_its_limit(engine, monkeypatch):
+    """Overlapped slot decoding launches the next step before the host has this one's tokens; when every row
+    reaches max_new_tokens with this step (known beforehand), that step would be decoded for nothing. A burst
+    of N-token requests costs N - 1 slot decodes (the prefill samples the first token), not N."""
+    scheduler = engine.scheduler
+    while scheduler.busy:
+        time.sleep(0.01)
+    decoder = scheduler._slots
+    calls = []
+    decode = decoder.decode
+
+    def counted(tokens, positions):
+        calls.append(len(positions))
+        return decode(tokens, positions)
+
+    monkeypatch.setattr(decoder, "decode", counted)
+    ahead = scheduler.decodes_ahead
+
+    async def burst(lengths: list[int]) -> list[dict]:
+        return await asyncio.gather(*[engine.generate(_body([30 + i, 31, 32], n)) for i, n in enumerate(lengths)])
+
+    replies = asyncio.run(burst([7] * 4))
+    assert [r["meta_info"]["completion_tokens"] for r in replies] == [7] * 4
+    assert calls == [4] * 6 and scheduler.decodes_ahead - ahead == 5  # overlapped, no decode after the last
+    calls.clear()
+    replies = asyncio.run(burst([3, 7]))  # one row goes on: the step ahead is still launched for both
+    assert [r["meta_info"]["completion_tokens"] for r in replies] == [3, 7]
+    assert calls == [2, 2, 2, 1, 1, 1]
+
+
 def test_busy_stats_count_steps_below_the_peak():
     from slime.engines.builtin.stats import BusyStats
 

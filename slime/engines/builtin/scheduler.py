@@ -478,7 +478,9 @@ class Scheduler:
         `batch.pending` while the host records this step (stop checks, replies), so the GPU is not
         idle during that bookkeeping. Rows that finish now were decoded once more for nothing; their
         pending rows are dropped with them (`_compact_slots`). Nothing is launched ahead while
-        requests wait to join (their rows would lack pending logits)."""
+        requests wait to join (their rows would lack pending logits), nor when every row reaches its
+        token limit with this step (known on the host: a burst of equal-length requests, as an RL
+        rollout's, would otherwise end on one whole decode step for nothing)."""
         start = time.perf_counter()
         if batch.pending is not None:
             logits, batch.pending = batch.pending, None
@@ -490,7 +492,8 @@ class Scheduler:
         batch.next_tokens = tokens
         fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
         sampled = time.perf_counter()
-        if self.overlap and not self._waiting and self._inbox.empty():
+        if (self.overlap and not self._waiting and self._inbox.empty()
+                and any(len(r.output_ids) + 1 < r.limit for r in batch.requests)):
             batch.pending = self._slots.decode(tokens, batch.lengths)
             batch.lengths = [n + 1 for n in batch.lengths]
             self.decodes_ahead += 1
