@@ -26,6 +26,7 @@ engines are offloaded and during a weight update. A rollout in progress goes on 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import tempfile
 import time
@@ -57,10 +58,15 @@ class RolloutManager:
         log_dir: where engine and router logs go (default: a new temp dir).
         engine_hosts: per engine, the actor options of the `EngineHost` that starts it on its own node
             (`Placement.engine_host_options()`); None: this actor starts every engine on its node.
+        gc_freeze: freeze the garbage collector's view after `start` and after the first step, as the built-in
+            engine's server does: a full collection walks every object of the process (torch, transformers,
+            the tokenizer, the data), ~0.2 s with the GIL held, and stalls the rollout's event loop while
+            the engines wait for requests. Only for a process of its own (the Ray actor: the RL loop sets
+            it): frozen objects that later become cyclic garbage are never freed.
     """
 
     def __init__(self, config: dict[str, Any], engine_devices: list[list[int]], log_dir: str | None = None,
-                 engine_hosts: list[dict[str, Any] | None] | None = None) -> None:
+                 engine_hosts: list[dict[str, Any] | None] | None = None, gc_freeze: bool = False) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = Config.model_validate(config)
         self.engine_devices = engine_devices
@@ -77,6 +83,8 @@ class RolloutManager:
         self.eval_fn: Any = None  # eval_function_path, else rollout_fn
         self.log_fns: tuple[Any, Any] = (None, None)  # custom rollout / eval log functions
         self.generator: Any = None  # a FullyAsyncRollout in --async-mode fully
+        self.gc_freeze = gc_freeze
+        self._gc_freezes = 0  # done: at start, after the first step
 
     @property
     def router(self) -> Any:
@@ -110,6 +118,7 @@ class RolloutManager:
         if c.engine.use_fault_tolerance:
             self.monitor = self._health_monitor()
             self.monitor.start()
+        self._freeze_gc()
         logger.info("rollout manager: %d %s engines behind %s in %.1f s", len(self.engine_devices), c.engine.engine,
                     self.router.url, time.monotonic() - t0)
         return {"router_url": self.router.url, "worker_urls": self.worker_urls(),
@@ -262,7 +271,16 @@ class RolloutManager:
         metrics["rollout/engine_restarts"] = restarts - self._restarts_reported  # since the last step's
         self._restarts_reported = restarts
         metrics["rollout/engines_serving"] = len(self.worker_urls())
+        self._freeze_gc()
         return _scalars(metrics)
+
+    def _freeze_gc(self) -> None:
+        """With `gc_freeze`: collect, then freeze what exists (twice in the actor's life: after `start`, and
+        after the first step, which imports and caches what the rollout function needs)."""
+        if self.gc_freeze and self._gc_freezes < 2:
+            self._gc_freezes += 1
+            gc.collect()
+            gc.freeze()
 
     # ------------------------------------------------------------------------- fully async
 

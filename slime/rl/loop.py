@@ -175,7 +175,7 @@ class RLLoop:
         if not c.run.debug_train_only:  # slime's --debug-train-only: no engines
             self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
                 c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir,
-                self.placement.engine_host_options())
+                self.placement.engine_host_options(), gc_freeze=True)
             started = ray.get(self.manager.start.remote())
         self.worker_urls = started["worker_urls"]
         self.num_rollout = self._resolve_num_rollout()

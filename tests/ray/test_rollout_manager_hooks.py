@@ -60,3 +60,19 @@ def test_eval_uses_the_eval_function_and_calls_the_eval_log_function(manager):
     assert call["hooks"] == [[["tag", 5, True], ["count", 5, True]]] * EVAL_PROMPTS
     assert "eval/tiny/mean_reward" in call["metric_keys"]
     assert metrics["eval/tiny/mean_reward"] == 2.0  # False: the default eval metrics are kept
+
+
+def test_gc_freeze_is_the_actor_s_choice_and_happens_twice(manager, monkeypatch, tmp_path):
+    """The RL loop's actor freezes the collector after start and after the first step (`gc_freeze`); a
+    manager in a shared process (this one, the tests') never does."""
+    import gc
+
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(gc.get_count()))
+    assert manager.gc_freeze is False
+    manager.generate(5)
+    assert freezes == []
+    frozen = RolloutManager(manager.config.model_dump(mode="json"), [[]], str(tmp_path), gc_freeze=True)
+    for _ in range(3):
+        frozen._freeze_gc()
+    assert len(freezes) == 2
