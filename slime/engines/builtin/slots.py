@@ -115,6 +115,8 @@ class SlotDecoder:
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self._attend = torch.zeros((), dtype=dtype, device=device)  # the additive mask's two values
+        self._masked = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # the token each row feeds
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where it goes in its slot
         self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
@@ -225,8 +227,10 @@ class SlotDecoder:
         rows = torch.arange(batch, device=self.device)
         hidden = model.embed_tokens(tokens.unsqueeze(1))  # [B, 1, H]: the residual stream
         cos, sin = model.rotary_emb(hidden, positions.unsqueeze(1))
-        # a row attends to its positions 0 .. p (True = attend)
-        mask = (torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+        # a row attends to its positions 0 .. p: an additive mask in the cache's dtype, made once per step (a
+        # boolean one is turned into this by every layer's attention call, one more kernel per layer)
+        visible = torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
+        mask = torch.where(visible, self._attend, self._masked)[:, None, None, :]
         x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [model.norm]
         for i, (layer, keys, values, next_norm) in enumerate(zip(self.layers, self.keys, self.values, norms,
