@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 from mfu import add_step_arguments, mfu_fields
+from profiling import print_profile
 
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
@@ -167,21 +168,6 @@ def main() -> None:
                     if grpo else None
                 train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             print_profile(step, args.profile)
-
-
-def print_profile(step: Any, rows: int) -> None:
-    """One `step()` under torch.profiler: the GPU time of the whole step, then the `rows` operations with the
-    most GPU self time (where a kernel is launched from, not what called it), as torch's table prints them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"profiled step: {total:.1f} ms of GPU time", flush=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def megatron_options(pairs: list[str]) -> dict[str, Any]:

@@ -1,0 +1,32 @@
+"""One step of a benchmark under torch.profiler, printed as torch's table: what bench/train_step.py and
+bench/decode_step.py share (`--profile ROWS`), so both read a step's GPU time the same way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def print_profile(step: Callable[[], object], rows: int, title: str = "profiled step") -> None:
+    """One `step()` under torch.profiler: the device time of the whole step and its kernel count, then the `rows`
+    operations with the most device self time (where a kernel is launched from, not what called it), as torch's
+    table prints them. Kernels replayed from a CUDA graph are listed too (CUPTI traces a graph's kernels).
+    Without CUDA (the tests) the same table of CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        step()
+        sync()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events) / 1e3
+    device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = sum(e.count for e in events if getattr(e, "device_type", device) == device) if cuda else \
+        sum(e.count for e in events)
+    print(f"{title}: {total:.2f} ms of {'GPU' if cuda else 'CPU'} time, {kernels} "
+          f"{'kernels' if cuda else 'operations'}", flush=True)
+    print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
