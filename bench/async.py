@@ -15,7 +15,8 @@ cores. Throughput is the samples of the measured steps over their wall time (fro
 measured step's start to the last one's metrics line). Also reported per mode: median trainer idle (waiting
 for a batch), median engine idle (fully async: nothing in flight), the largest staleness trained on and
 the mean reward of the measured steps (learning is the same when these agree), and medians of where a step's
-time goes (generation, training, log-probs, weight sync, pause); from the sync row, the ceiling any overlap
+time goes (generation, training, log-probs, weight sync, pause, the step's wall time and what the loop spends
+beyond those: `other_s`); from the sync row, the ceiling any overlap
 can reach (generate + train + weight sync over the longer of generating and the other two). Prints a line per step
 and a JSON line per mode as each ends (`--modes off,fully` runs a subset), then a table and one JSON line.
 """
@@ -37,6 +38,8 @@ from slime.config import Config
 from slime.rl import RLLoop
 
 MODES = ("off", "one_step_off", "fully")
+# the measured parts of a step (the rest is "other_s"): waiting for the batch, training, pause, weight sync
+STEP_PARTS = ("perf/rollout_wait_s", "rl/train_s", "perf/pause_generation_s", "rl/sync_s")
 
 
 def build_config(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, store: str,
@@ -75,8 +78,9 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
         setup_end = time.monotonic()
         start = None
         for rollout_id in range(loop.num_rollout):
+            step_start = time.monotonic()
             if rollout_id == args.warmup:
-                start = time.monotonic()
+                start = step_start
             rollout = loop.rollout(rollout_id)
             loop.train(rollout_id, rollout["uri"])
             loop.sync(rollout_id)
@@ -85,15 +89,17 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
             print(f"[{mode}] step {rollout_id + 1}/{loop.num_rollout} done at {time.monotonic() - setup_end:.1f} s "
                   f"after setup", flush=True)
             if rollout_id >= args.warmup:
-                records.append(record)
+                records.append({**record, "bench/step_s": time.monotonic() - step_start})
         wall = time.monotonic() - start
     finally:
         loop.close()
     samples = len(records) * args.prompts * args.samples
 
-    def median(key: str) -> float | None:
-        values = [r[key] for r in records if r.get(key) is not None]
+    def median_of(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
+
+    def median(key: str) -> float | None:
+        return median_of([r[key] for r in records if r.get(key) is not None])
 
     return {"mode": mode, "samples_per_s": samples / wall, "wall_s": wall, "steps": len(records),
             "trainer_idle_s": median("perf/rollout_wait_s"),
@@ -102,6 +108,10 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: str, prompts: str, 
             "rollout_s": median("rl/rollout_s"), "train_s": median("rl/train_s"),
             "log_probs_s": median("perf/log_probs_time"), "sync_s": median("rl/sync_s"),
             "pause_s": median("perf/pause_generation_s"),
+            # a step's wall time, and what is left of it beyond waiting for the batch, training, pausing generation
+            # and the weight sync: the loop's own cost (store reads and writes, Ray calls, resuming, logging)
+            "step_s": median("bench/step_s"),
+            "other_s": median_of([r["bench/step_s"] - sum(r.get(k) or 0.0 for k in STEP_PARTS) for r in records]),
             "max_staleness": max((r.get("async/staleness/max", 0) for r in records), default=0),
             "reward_mean": statistics.fmean(r.get("rl/reward_mean", 0.0) for r in records)}
 
