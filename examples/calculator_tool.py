@@ -15,10 +15,11 @@ to `MAX_TURNS` times:
    made, or, if the turn made none and did not finish, a reminder of how to call the tool.
 
 The episode ends when the model finishes a turn with `<|im_end|>` and no tool call (its final answer),
-the response budget (`rollout_max_response_len`) is used up, the turn limit is reached, or the rollout is
-aborted. `metadata["turns"]` and `metadata["tool_calls"]` record what happened; the reward function then
-grades `sample.response` as usual. The untrained tiny model rarely emits a well-formed call, so in tests
-the reminder path runs every time and the tool path is checked through `run_tool_calls`.
+the response budget (`rollout_max_response_len`; prompt + response within `rollout_max_context_len`) is
+used up, the turn limit is reached, or the rollout is aborted. `metadata["turns"]` and
+`metadata["tool_calls"]` record what happened; the reward function then grades `sample.response` as usual.
+The untrained tiny model rarely emits a well-formed call, so in tests the reminder path runs every time and
+the tool path is checked through `run_tool_calls`.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     params = {**sampling_params, "stop": ["</tool_call>"]}
     turns = sample.metadata.setdefault("turns", 0)
     calls = sample.metadata.setdefault("tool_calls", [])
-    while turns < MAX_TURNS and budget_left(sample, sampling_params):
+    while turns < MAX_TURNS and budget_left(sample, sampling_params, args):
         output = await generate_turn(args, sample, params, max_new_tokens=TURN_TOKENS)
         append_model_output(args, sample, output)
         turns += 1
@@ -106,7 +107,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         if final_answer or turns == MAX_TURNS:
             break
         env = tokenizer.encode(tool_message(results), add_special_tokens=False)
-        left = budget_left(sample, sampling_params)
+        left = budget_left(sample, sampling_params, args)
         if left is not None and len(env) >= left:  # no room for another model turn after the tool reply
             sample.status = Status.TRUNCATED
             break

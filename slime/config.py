@@ -274,7 +274,10 @@ class RolloutConfig(_Section):
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     rollout_top_k: int = -1
     rollout_max_response_len: int | None = Field(None, ge=1)
-    rollout_max_context_len: int | None = Field(None, ge=1)
+    rollout_max_context_len: int | None = Field(
+        None, ge=2, description="prompt + response tokens of a rollout sample: each request asks for at most "
+        "min(max_new_tokens, this - prompt tokens), and a prompt that leaves no room gives a TRUNCATED sample "
+        "without a request; rollout_max_prompt_len defaults to this - 1 and eval_max_context_len to this (slime)")
     rollout_stop: list[str] | None = None
     rollout_stop_token_ids: list[int] | None = None
     rollout_skip_special_tokens: bool = False
@@ -523,8 +526,8 @@ class EvalConfig(_Section):
     eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
     eval_reward_key: str | None = Field(None, description="entry of a dict reward that eval reports; None: "
                                                           "reward_key")
-    eval_max_context_len: int | None = Field(None, ge=1, description="for eval plugins (args.eval_max_context_len): "
-                                                                     "the eval prompt + response token budget")
+    eval_max_context_len: int | None = Field(None, ge=1, description="rollout_max_context_len for eval samples; "
+                                                                     "None: rollout_max_context_len (slime)")
     eval_max_prompt_len: int | None = Field(None, ge=1, description="drop eval prompts longer than this many "
                                                                     "tokens (needs hf_checkpoint's tokenizer)")
     eval_min_new_tokens: int | None = Field(None, ge=0, description="eval responses are at least this long (SGLang "
@@ -743,6 +746,18 @@ class Config(BaseModel):
     megatron: dict[str, Any] = Field(default_factory=dict)
     # dotted field -> where it was set ("file.yaml:12" or "--flag"), for messages of later checks
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _context_defaults(self) -> Config:
+        """slime's defaults from rollout_max_context_len: eval_max_context_len is the same bound, and prompts
+        are at most rollout_max_context_len - 1 tokens, leaving one generated token for the loss (_validate
+        refuses a larger rollout_max_prompt_len)."""
+        context = self.rollout.rollout_max_context_len
+        if self.eval.eval_max_context_len is None and context is not None:
+            self.eval.eval_max_context_len = context
+        if self.data.rollout_max_prompt_len is None and context is not None:
+            self.data.rollout_max_prompt_len = context - 1
+        return self
 
     def source(self, dotted: str) -> str | None:
         """Where `section.field` was set (YAML file and line, or the CLI flag); None for a default."""
@@ -1350,9 +1365,18 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if (protocol := unknown_protocol(config.run.store)) is not None:
         fail("run.store", f"unknown storage protocol {protocol!r} in {config.run.store!r}: use a local path or an "
              "fsspec URL (s3://bucket/prefix, gs://..., memory://...)")
+    context = config.rollout.rollout_max_context_len
+    if context is not None and config.data.rollout_max_prompt_len > context - 1:
+        fail("data.rollout_max_prompt_len", f"{config.data.rollout_max_prompt_len} must be at most "
+             f"rollout_max_context_len - 1 = {context - 1}, so that a prompt leaves room for at least one generated "
+             "token to compute the loss (slime)", "rollout.rollout_max_context_len")
     # checkpoint.save_interval without checkpoint.save: a stage saves to {store}/{run_id}/<stage>/checkpoint
     # (slime.preflight.place_outputs), which fails there when the run has no id
     if config.data.rollout_max_prompt_len and not config.checkpoint.hf_checkpoint:
+        if "data.rollout_max_prompt_len" not in where and context is not None:
+            fail("rollout.rollout_max_context_len", f"drops prompts longer than rollout_max_context_len - 1 = "
+                 f"{context - 1} tokens (slime's default rollout_max_prompt_len), which needs "
+                 "checkpoint.hf_checkpoint for its tokenizer")
         fail("data.rollout_max_prompt_len", "needs checkpoint.hf_checkpoint for its tokenizer")
     if config.engine.engine == "builtin" and (dtype := config.sglang_arg("dtype")) is not None:
         from slime.engines.builtin.launcher import DTYPES

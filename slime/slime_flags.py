@@ -128,8 +128,6 @@ PLUGIN_ONLY: dict[str, str] = {
                                   "effect, as in slime; plugins see args.min_batch_collection_ratio",
     "http_proxy": "slime declares it and never reads it: accepted for launch scripts, without effect, as in "
                   "slime; plugins see args.http_proxy",
-    "eval_max_context_len": "slime's own code never reads it; its example rollout functions do "
-                            "(examples/multi_agent): the value reaches plugins as args.eval_max_context_len",
 }
 
 # accepted flag -> why its default here is not slime's

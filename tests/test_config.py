@@ -139,6 +139,36 @@ def test_cross_field_and_flag_errors(overrides, message):
         load_config(None, overrides)
 
 
+def test_context_len_gives_slime_defaults():
+    bounded = load_config(None, ["--rollout-max-context-len", "100", "--hf-checkpoint", "m"])
+    assert bounded.data.rollout_max_prompt_len == 99 and bounded.eval.eval_max_context_len == 100  # slime
+    args = bounded.as_namespace()
+    assert (args.rollout_max_prompt_len, args.eval_max_context_len) == (99, 100)
+    cfg = load_config(None, ["--rollout-max-context-len", "100", "--hf-checkpoint", "m",
+                             "--rollout-max-prompt-len", "60", "--eval-max-context-len", "300"])
+    assert (cfg.data.rollout_max_prompt_len, cfg.eval.eval_max_context_len) == (60, 300)  # set: kept
+    cfg = load_config(None, [])
+    assert cfg.data.rollout_max_prompt_len is None and cfg.eval.eval_max_context_len is None  # unbounded
+    # the defaults survive the config's round trip to the rollout and train actors, and apply there too
+    assert Config.model_validate(bounded.model_dump()).data.rollout_max_prompt_len == 99
+    assert Config.model_validate({"rollout": {"rollout_max_context_len": 8}}).eval.eval_max_context_len == 8
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100", "--hf-checkpoint", "m"],
+     r"^--rollout-max-prompt-len: data.rollout_max_prompt_len: 100 must be at most rollout_max_context_len - 1 = 99"
+     r".*\[rollout.rollout_max_context_len set at --rollout-max-context-len\]"),
+    (["--rollout-max-context-len", "100"],
+     r"^--rollout-max-context-len: rollout.rollout_max_context_len: drops prompts longer than .* 99 tokens .*"
+     r"needs checkpoint.hf_checkpoint"),
+    (["--rollout-max-context-len", "1", "--hf-checkpoint", "m"],
+     r"--rollout-max-context-len: rollout.rollout_max_context_len: Input should be greater than or equal to 2"),
+])
+def test_context_len_errors_name_the_flags(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_section_hash_is_stable_and_sensitive(tmp_path):
     a = load_config(_yaml(tmp_path, "rollout:\n  rollout_batch_size: 8\n  n_samples_per_prompt: 2\n"))
     b = load_config(None, ["--n-samples-per-prompt", "2", "--rollout-batch-size", "8"])

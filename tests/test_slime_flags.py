@@ -36,6 +36,7 @@ COMPANIONS: dict[str, list[str]] = {
     "--debug-train-only": ["--load-debug-rollout-data", "runs/r/rollout/{rollout_id:06d}"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "1024"],
     "--rollout-max-prompt-len": ["--hf-checkpoint", "/tmp/hf"],
+    "--rollout-max-context-len": ["--hf-checkpoint", "/tmp/hf"],  # prompts default to at most context - 1 tokens
     "--update-weight-disk-keep-files": ["--weight-sync-mode", "disk"],
     "--custom-update-weight-post-write-path": ["--weight-sync-mode", "disk"],
     "--update-weight-local-checkpoint-dir": ["--update-weight-mode", "delta", "--weight-sync-mode", "disk"],

@@ -133,8 +133,13 @@ def eval_datasets(args: Any) -> list[EvalDatasetConfig]:
 
 
 def dataset_args(args: Any, ds: EvalDatasetConfig) -> Any:
-    """`args` as the dataset's plugins see it: its reward settings and sampling overrides applied."""
+    """`args` as the dataset's plugins see it: its reward settings and sampling overrides applied, and
+    `rollout_max_context_len` set to the eval bound (`eval_max_context_len`, default the rollout's, as in
+    slime), which is what the requests of an eval sample obey (slime.rollout.multiturn.response_limit)."""
     out = copy.copy(args)
+    eval_context = getattr(args, "eval_max_context_len", None)
+    if eval_context is not None:
+        out.rollout_max_context_len = eval_context
     if ds.custom_rm_path:
         out.custom_rm_path = ds.custom_rm_path
     for field, attr in (("temperature", "eval_temperature"), ("top_p", "eval_top_p"), ("top_k", "eval_top_k"),

@@ -4,7 +4,9 @@
 one `/generate` call through the router with `input_ids` and `return_logprob`, folded into the sample
 (tokens, log-probs, loss mask, status, weight version). A sample that comes back from the partial-rollout
 buffer continues from its tokens with the response budget reduced by what it already has, so the final
-sample is one continuous response.
+sample is one continuous response. With `rollout_max_context_len` set, a request asks for at most
+`min(max_new_tokens, rollout_max_context_len - prompt length)` tokens (slime), and a sample whose prompt
+leaves no room is TRUNCATED without a request.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         raise ValueError(f"sample {sample.index}: cannot generate from status {sample.status.value}")
     if not sample.tokens:
         sample.tokens = prompt_ids(sample, tokenizer_of(args))
-    if budget_left(sample, sampling_params) == 0:  # a resumed sample that already used its budget
-        return sample
+    if budget_left(sample, sampling_params, args) == 0:  # no room left: a resumed sample that used its
+        return sample  # response budget, or a prompt that fills rollout_max_context_len (TRUNCATED, no request)
     output = await generate_turn(args, sample, sampling_params)
     append_model_output(args, sample, output)
     return sample

@@ -6,6 +6,11 @@ environment turns (tool results, user replies), appended with `append_env_tokens
 0.0 as a placeholder the loss never reads). `tokens` stays prompt + response and every per-response list
 stays `response_length` long, so the sample is ready for the trainer after any number of turns.
 `generate_turn` sends the whole sample so far to the router for the next model turn.
+
+Two budgets bound a response: `sampling_params["max_new_tokens"]` (the response, all turns together) and
+`args.rollout_max_context_len` (prompt + response, slime's `--rollout-max-context-len`; eval's args carry
+the eval value). `response_limit` is the tighter of the two, and every turn asks for at most what is left
+of it, so the context stays bounded however many turns and tool replies a response has.
 """
 
 from __future__ import annotations
@@ -66,19 +71,37 @@ def prompt_ids(sample: Sample, tokenizer: Any) -> list[int]:
     return tokenizer.encode(sample.prompt, add_special_tokens=False)
 
 
+def response_limit(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> int | None:
+    """Most response tokens `sample` may have (None: no limit): `max_new_tokens`, capped by
+    `rollout_max_context_len` less the prompt (`len(tokens) - response_length`, env turns are response)."""
+    limit = sampling_params.get("max_new_tokens")
+    context = getattr(args, "rollout_max_context_len", None) if args is not None else None
+    if context is not None:
+        room = context - (len(sample.tokens) - sample.response_length)
+        limit = room if limit is None else min(limit, room)
+    return limit
+
+
 async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
                         max_new_tokens: int | None = None) -> dict[str, Any]:
     """POST `sample.tokens` (prompt + response so far) to the router's `/generate` and return its answer.
 
-    `max_new_tokens` (default: what `sampling_params` allows) is capped by the response budget left,
-    `sampling_params["max_new_tokens"] - sample.response_length`, so a whole multi-turn response never
-    exceeds it. Does not modify `sample`; pass the answer to `append_model_output`.
+    `max_new_tokens` (default: what `sampling_params` allows) is capped by the budget left,
+    `response_limit(...) - sample.response_length`, so a whole multi-turn response never exceeds
+    `max_new_tokens` of `sampling_params` nor prompt + response `rollout_max_context_len`. With nothing
+    left it raises ValueError and sends nothing: check `budget_left` first. Does not modify `sample`;
+    pass the answer to `append_model_output`.
     """
     params = dict(sampling_params)
-    budget = params.get("max_new_tokens")
-    if budget is not None:
-        budget -= sample.response_length
-        params["max_new_tokens"] = budget if max_new_tokens is None else min(budget, max_new_tokens)
+    limit = response_limit(args, sample, sampling_params)
+    if limit is not None:
+        left = limit - sample.response_length
+        if left <= 0:
+            raise ValueError(f"sample {sample.index}: no tokens left for another model turn (response "
+                             f"{sample.response_length} of at most {limit}: max_new_tokens "
+                             f"{sampling_params.get('max_new_tokens')}, rollout_max_context_len "
+                             f"{getattr(args, 'rollout_max_context_len', None)}); check budget_left first")
+        params["max_new_tokens"] = left if max_new_tokens is None else min(left, max_new_tokens)
     elif max_new_tokens is not None:
         params["max_new_tokens"] = max_new_tokens
     payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
@@ -87,9 +110,12 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
     return await engine_client().post(f"{router_url(args)}/generate", payload)
 
 
-def budget_left(sample: Sample, sampling_params: dict[str, Any]) -> int | None:
-    """Response tokens still allowed (None: no limit); at 0 the sample is TRUNCATED."""
-    limit = sampling_params.get("max_new_tokens")
+def budget_left(sample: Sample, sampling_params: dict[str, Any], args: Any = None) -> int | None:
+    """Response tokens still allowed (None: no limit); at 0 the sample is TRUNCATED.
+
+    Pass `args` to count the context bound (`rollout_max_context_len`) too, as `generate_turn` does.
+    """
+    limit = response_limit(args, sample, sampling_params)
     if limit is None:
         return None
     left = limit - sample.response_length

@@ -19,6 +19,7 @@ from slime.errors import EngineError
 from slime.rollout.generate import sample_seed, tokenizer_of, truncate_response
 from slime.rollout.hooks import RolloutPlugins, accepts_evaluation, apply_sample_hooks, load_generate_function
 from slime.rollout.http import abort_all, engine_client, running_requests
+from slime.rollout.multiturn import response_limit
 from slime.rollout.outputs import flatten
 from slime.rollout.rewards import reward_samples
 from slime.types import Sample, Status
@@ -48,11 +49,14 @@ class GenerateState:
         self.max_response_len = getattr(args, "rollout_max_response_len", None)
         self._tokenizer = None
 
-    def _truncate(self, sample: Sample, max_len: int | None) -> None:
-        if max_len is not None and sample.response_length > max_len:
+    def _truncate(self, sample: Sample, max_new_tokens: int | None) -> None:
+        """Cut a response longer than its limit (`max_new_tokens`, and prompt + response within
+        `rollout_max_context_len`): a custom generate function may not bound its requests."""
+        max_len = response_limit(self.args, sample, {"max_new_tokens": max_new_tokens})
+        if max_len is not None and sample.response_length > max(max_len, 0):
             if self._tokenizer is None and getattr(self.args, "hf_checkpoint", None):
                 self._tokenizer = tokenizer_of(self.args)
-            truncate_response(sample, max_len, self._tokenizer)
+            truncate_response(sample, max(max_len, 0), self._tokenizer)
 
     async def generate_sample(self, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         """Generate one sample (a no-op for one already finished in an earlier step)."""
