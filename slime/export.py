@@ -46,6 +46,22 @@ def resolve_checkpoint(load: str) -> str:
     return latest
 
 
+def reference_checkpoint(checkpoint: Any) -> str:
+    """The checkpoint `checkpoint.ref_load` names (`checkpoint` a `CheckpointConfig`): its iteration
+    `ref_ckpt_step` when set (a remote root stages that iteration, slime/storage/staging.py), else as
+    `resolve_checkpoint`."""
+    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.storage import is_committed
+
+    if checkpoint.ref_ckpt_step is None:
+        return resolve_checkpoint(checkpoint.ref_load)
+    path = iteration_dir(checkpoint.ref_load, checkpoint.ref_ckpt_step)
+    if not is_committed(path):
+        raise NotCommittedError(f"checkpoint.ref_ckpt_step {checkpoint.ref_ckpt_step}: {path} is not a committed "
+                                "checkpoint (checkpoint.ref_load must be a --save root holding it)")
+    return path
+
+
 def run_export(config: Config) -> dict[str, Any]:
     """Export `checkpoint.load` to `export.output_dir`; returns the output path and its manifest hash."""
     config.require("checkpoint.load", "export.output_dir", stage="export")
