@@ -10,11 +10,14 @@ tokenizer files are copied from the origin HF directory. The output is committed
 
 A LoRA checkpoint (adapters only, docs/lora.md) is exported on the base it records: merged weights
 (base + scale * B @ A) as a plain HF directory, or with `--merge false` a PEFT adapter directory
-(`adapter_config.json`, `adapter_model.safetensors`, the tokenizer files) for `peft.PeftModel.from_pretrained`.
+(`adapter_config.json`, `adapter_model.safetensors`, the tokenizer files) for `peft.PeftModel.from_pretrained`,
+whose `base_model_name_or_path` is the model the adapters were trained on (`lora_export.peft_base`: a trained
+Megatron checkpoint as base is named as such, with a warning in the manifest and the result, docs/lora.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -26,6 +29,8 @@ import torch
 from slime.config import Config
 from slime.errors import ConfigError, NotCommittedError
 from slime.storage.staging import staged
+
+logger = logging.getLogger(__name__)
 
 # files of an HF directory that describe the model rather than hold its weights
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -44,6 +49,22 @@ def resolve_checkpoint(load: str) -> str:
     if latest is None:
         raise NotCommittedError(f"{load} holds no committed checkpoint (no iter_*/manifest.json)")
     return latest
+
+
+def reference_checkpoint(checkpoint: Any) -> str:
+    """The checkpoint `checkpoint.ref_load` names (`checkpoint` a `CheckpointConfig`): its iteration
+    `ref_ckpt_step` when set (a remote root stages that iteration, slime/storage/staging.py), else as
+    `resolve_checkpoint`."""
+    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.storage import is_committed
+
+    if checkpoint.ref_ckpt_step is None:
+        return resolve_checkpoint(checkpoint.ref_load)
+    path = iteration_dir(checkpoint.ref_load, checkpoint.ref_ckpt_step)
+    if not is_committed(path):
+        raise NotCommittedError(f"checkpoint.ref_ckpt_step {checkpoint.ref_ckpt_step}: {path} is not a committed "
+                                "checkpoint (checkpoint.ref_load must be a --save root holding it)")
+    return path
 
 
 def run_export(config: Config) -> dict[str, Any]:
@@ -79,7 +100,8 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
                          config.megatron)
     saved_lora = meta.get("lora")
     if saved_lora:
-        return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out)
+        return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out,
+                            remote)
     models = build_model(bridge)
     load_model_checkpoint(models, path)
     files = save_hf_weights(export_hf_weights(bridge, models), out)
@@ -91,13 +113,15 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
 
 
-def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], origin: str, out: str) -> dict[str, Any]:
-    """A LoRA checkpoint on its recorded base: merged HF weights, or (merge false) a PEFT adapter directory."""
+def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], origin: str, out: str,
+                 remote: Callable[[str], str]) -> dict[str, Any]:
+    """A LoRA checkpoint on its recorded base: merged HF weights, or (merge false) a PEFT adapter directory
+    whose `base_model_name_or_path` is that base (`lora_export.peft_base`, a warning when it is no HF model)."""
     from slime.backends.megatron.bridge import build_model, export_hf_weights
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
     from slime.backends.megatron.lora import LoraSpec, lora_callback
-    from slime.backends.megatron.lora_export import save_peft_adapter
+    from slime.backends.megatron.lora_export import peft_base, save_peft_adapter
     from slime.backends.megatron.lora_weights import load_base
     from slime.storage import commit_directory, manifest_hash
 
@@ -106,19 +130,27 @@ def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], 
     models = build_model(bridge, post_create=lora_callback(spec))
     load_base(bridge, models, saved["base"]["source"])
     load_model_checkpoint(models, path)
+    extra: dict[str, Any] = {}
     if config.export.merge:
         kind, files = "hf_model", save_hf_weights(export_hf_weights(bridge, models), out)
     else:
-        save_peft_adapter(bridge, models, out, base_model=origin)
+        base = peft_base(saved["base"]["source"])
+        save_peft_adapter(bridge, models, out, base_model=base["base_model_name_or_path"])
         kind, files = "peft_adapter", sorted(os.listdir(out))
+        extra["peft_base"] = {**base, "lora_base": remote(base["lora_base"])}
+        if "warning" in base:
+            logger.warning("%s: %s", out, base["warning"])
     for name in _HF_SIDE_FILES:  # a PEFT directory's config is its adapter_config.json
         if (name != "config.json" or kind == "hf_model") and os.path.isfile(os.path.join(origin, name)):
             shutil.copyfile(os.path.join(origin, name), os.path.join(out, name))
-    commit_directory(out, kind, metadata={"source_checkpoint": path, "iteration": saved.get("iteration"),
-                                          "weights": files, "origin_hf_dir": origin, "lora": saved})
+    commit_directory(out, kind, metadata={"source_checkpoint": remote(path), "iteration": saved.get("iteration"),
+                                          "weights": files, "origin_hf_dir": origin, "lora": saved, **extra})
     # "hf_dir" either way, as callers read it; "format" says which
-    return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path,
-            "format": "merged" if kind == "hf_model" else "peft"}
+    result = {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path,
+              "format": "merged" if kind == "hf_model" else "peft"}
+    if "warning" in extra.get("peft_base", {}):
+        result["warning"] = extra["peft_base"]["warning"]
+    return result
 
 
 if __name__ == "__main__":

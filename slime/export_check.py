@@ -21,7 +21,7 @@ from typing import Any
 
 from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
-from slime.storage import read_samples
+from slime.storage import is_committed, read_manifest, read_samples
 from slime.storage.fs import join_uri
 from slime.storage.staging import local_copy
 from slime.types import Sample
@@ -74,8 +74,10 @@ def load_exported(path: str) -> tuple[Any, str]:
 
         base = PeftConfig.from_pretrained(path).base_model_name_or_path
         if not base or not os.path.isfile(os.path.join(base, "config.json")):
+            # slime export's manifest says why when the base is a trained Megatron checkpoint (lora_export.peft_base)
+            why = (read_manifest(path).metadata.get("peft_base") or {}).get("warning") if is_committed(path) else None
             raise ConfigError(f"{path} is a PEFT adapter whose base_model_name_or_path {base!r} is not a local HF "
-                              "model directory: the check cannot load its base")
+                              "model directory: the check cannot load its base" + (f" ({why})" if why else ""))
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         tokenizer = path if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else base
         return PeftModel.from_pretrained(model, path).eval(), tokenizer

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime.errors import ConfigError
+
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--target-modules", "all-linear"]
 
@@ -54,6 +56,12 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
                   timeout=300)
     assert merged["format"] == "merged" and adapter["format"] == "peft"
     assert (tmp_path / "peft" / "adapter_config.json").is_file() and not (tmp_path / "peft" / "config.json").exists()
+    # trained on the HF model itself: that is the PEFT base, loadable, no warning
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_kit.model_dir) and "warning" not in adapter
+    meta = json.loads((tmp_path / "peft" / "manifest.json").read_text())["metadata"]
+    assert meta["peft_base"] == {"base_model_name_or_path": str(tiny_kit.model_dir),
+                                 "lora_base": str(tiny_kit.model_dir), "hf_loadable": True}
     tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
     full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32)
@@ -81,3 +89,43 @@ def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
     assert len(final_whole) == 2 * 4 * 4  # A and B of 4 linear layers in each of the test kit's 4 layers
     for name, tensor in final_whole.items():
         assert torch.equal(tensor, final_cut[name]), name
+
+
+@pytest.mark.slow  # ~150 s on 2 loaded cores: a full SFT, a LoRA SFT on it and three exports
+def test_peft_export_of_adapters_on_a_trained_checkpoint_names_that_checkpoint(tiny_kit, tmp_path):
+    """LoRA on a full SFT checkpoint (--load): the adapters belong to that checkpoint, not to the origin HF model.
+    `--merge false` records the checkpoint as base_model_name_or_path and warns (manifest, result) that it is
+    no HF model; the adapter on the checkpoint's own HF export is the merged model; on the origin it is not."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from slime.export_check import load_exported
+
+    data = ["--sft-data", f"{tiny_kit.sft}@[0:64]", "--global-batch-size", "32", "--micro-batch-size", "32",
+            "--sft-lr", "3e-2", "--sft-lr-warmup-iters", "1", "--sft-num-epoch", "1"]
+    run("sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", str(tmp_path / "full"), *data)
+    full = tmp_path / "full" / "iter_0000002"
+    run("sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--load", str(tmp_path / "full"), "--save",
+        str(tmp_path / "lora"), *data, *LORA)
+    assert json.loads((tmp_path / "lora" / "iter_0000002" / "manifest.json").read_text())["metadata"]["lora"][
+        "base"]["source"] == str(full)
+    adapter = run("export", "--load", str(tmp_path / "lora"), "--output-dir", str(tmp_path / "peft"), "--merge",
+                  "false", timeout=300)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(full)  # not the origin HF directory
+    meta = json.loads((tmp_path / "peft" / "manifest.json").read_text())["metadata"]["peft_base"]
+    assert meta["hf_loadable"] is False and meta["lora_base"] == str(full)
+    assert f"trained on the Megatron checkpoint {full}" in meta["warning"] and adapter["warning"] == meta["warning"]
+    with pytest.raises(ConfigError, match=f"not a local HF model directory.*trained on the Megatron checkpoint {full}"):
+        load_exported(str(tmp_path / "peft"))  # what `slime export-check` of this directory says
+
+    run("export", "--load", str(tmp_path / "lora"), "--output-dir", str(tmp_path / "merged"), timeout=300)
+    run("export", "--load", str(full), "--output-dir", str(tmp_path / "base"), timeout=300)  # the warning's advice
+    tokens = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    merged = _log_probs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32), tokens)
+    on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32),
+                                        str(tmp_path / "peft")).eval()
+    assert (merged - _log_probs(on_base, tokens)).abs().max() < 1e-5
+    on_origin = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32),
+                                          str(tmp_path / "peft")).eval()
+    assert (merged - _log_probs(on_origin, tokens)).abs().max() > 1e-2  # the base the old export named

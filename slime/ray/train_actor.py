@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from slime.config import Config
-from slime.errors import ConfigError, DataFormatError, NotCommittedError
+from slime.errors import ConfigError, DataFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class TrainActor:
             load_model_checkpoint,
             read_checkpoint_manifest,
         )
-        from slime.export import resolve_checkpoint
+        from slime.export import reference_checkpoint, resolve_checkpoint
 
         ck = self.config.checkpoint
         resume = latest_checkpoint(ck.save) if ck.save else None
@@ -356,36 +356,22 @@ class TrainActor:
             logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
             return state.iteration + 1
         if ck.ref_load:
-            load_model_checkpoint(self.models, self._ref_checkpoint())
+            load_model_checkpoint(self.models, reference_checkpoint(ck))
         else:
             self.bridge.load_weights(self.models, ck.hf_checkpoint)
         self.optimizer.reload_model_params()  # the main params from the loaded weights, as above
         return 0
-
-    def _ref_checkpoint(self) -> str:
-        """The checkpoint `ref_load` names: its iteration `ref_ckpt_step` when set, else its newest committed."""
-        from slime.backends.megatron.checkpoint import iteration_dir
-        from slime.export import resolve_checkpoint
-        from slime.storage import is_committed
-
-        ck = self.config.checkpoint
-        if ck.ref_ckpt_step is None:
-            return resolve_checkpoint(ck.ref_load)
-        path = iteration_dir(ck.ref_load, ck.ref_ckpt_step)
-        if not is_committed(path):
-            raise NotCommittedError(f"ref_ckpt_step {ck.ref_ckpt_step}: {path} is not a committed checkpoint")
-        return path
 
     def _load_reference(self) -> None:
         """The KL reference: `ref_load`; else the policy RL starts from (`load`, e.g. the pipeline's SFT
         checkpoint, also on a resume); else `hf_checkpoint`. (The GPU pipeline's first run took the untrained
         HF weights as reference while RL started from SFT: KL to the reference read 6.0 at step 0.)"""
         from slime.backends.megatron.checkpoint import load_model_checkpoint
-        from slime.export import resolve_checkpoint
+        from slime.export import reference_checkpoint, resolve_checkpoint
 
         ck = self.config.checkpoint
         if ck.ref_load:
-            load_model_checkpoint(self.ref_models, self._ref_checkpoint())
+            load_model_checkpoint(self.ref_models, reference_checkpoint(ck))
         elif ck.load:
             load_model_checkpoint(self.ref_models, resolve_checkpoint(ck.load))
         else:

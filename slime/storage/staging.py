@@ -4,7 +4,8 @@ Megatron's torch_dist, safetensors, transformers and the engines all want local 
 gives a stage a copy of its config in which every remote location of such a directory is a local one:
 
 * inputs (`checkpoint.load`, `checkpoint.ref_load`, an HF directory): the committed artifact (or, for a
-  `--save` root, its newest committed `iter_*`) is downloaded into the staging directory, every file
+  `--save` root, its newest committed `iter_*`; for `ref_load` with `checkpoint.ref_ckpt_step`, that
+  iteration, in a local root of the same layout) is downloaded into the staging directory, every file
   checked against the manifest's size and sha256, the manifest written last, so a half download is
   never taken for a copy;
 * outputs (`checkpoint.save`, `checkpoint.save_hf`, `export.output_dir`): a local directory, first filled
@@ -219,14 +220,19 @@ def stage(config: Any, root: str, fields: tuple[str, ...] = INPUT_FIELDS + OUTPU
         uri = _get(config, dotted)
         if dotted not in fields or not is_remote(uri):
             continue
-        artifact = newest_committed(uri, options)
-        if artifact is None:
-            raise NotCommittedError(f"{dotted}: {uri} holds no committed artifact (no {MANIFEST_NAME}, no committed "
-                                    "iter_*)")
-        local = download(artifact, local_path(root, artifact), options)
+        step = config.checkpoint.ref_ckpt_step if dotted == "checkpoint.ref_load" else None
+        if step is not None:  # that iteration of the root, staged as a root holding it (ref_ckpt_step still applies)
+            artifact, local, value = _iteration(uri, step, root, options)
+        else:
+            artifact = newest_committed(uri, options)
+            if artifact is None:
+                raise NotCommittedError(f"{dotted}: {uri} holds no committed artifact (no {MANIFEST_NAME}, no "
+                                        "committed iter_*)")
+            local = value = local_path(root, artifact)
+        download(artifact, local, options)
         staging.inputs[local] = artifact
         staging.fields[dotted] = uri
-        values[dotted] = local
+        values[dotted] = value
     for dotted in OUTPUT_FIELDS:
         uri = _get(config, dotted)
         if dotted not in fields or not is_remote(uri):
@@ -240,6 +246,18 @@ def stage(config: Any, root: str, fields: tuple[str, ...] = INPUT_FIELDS + OUTPU
         staging.fields[dotted] = uri
         values[dotted] = local
     return with_values(config, values), staging
+
+
+def _iteration(uri: str, step: int, root: str, options: dict[str, Any] | None) -> tuple[str, str, str]:
+    """(the remote iteration `step` of the save root `uri`, its local copy, the local root holding it) for
+    `checkpoint.ref_ckpt_step`; a clear error when the store has not committed that iteration."""
+    name = f"iter_{step:07d}"
+    artifact = join_uri(uri, name)
+    if not is_committed(artifact, options):
+        raise NotCommittedError(f"checkpoint.ref_ckpt_step {step}: {artifact} is not a committed checkpoint "
+                                "(checkpoint.ref_load must be a --save root holding it)")
+    value = local_path(root, uri)
+    return artifact, os.path.join(value, name), value
 
 
 def with_values(config: Any, values: dict[str, str]) -> Any:

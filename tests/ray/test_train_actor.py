@@ -43,7 +43,7 @@ def test_each_step_is_split_round_robin_over_ranks():
 def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
     from slime.backends.megatron.checkpoint import iteration_dir
     from slime.errors import NotCommittedError
-    from slime.ray.train_actor import TrainActor
+    from slime.export import reference_checkpoint
     from slime.storage import commit_directory
 
     ref = str(tmp_path / "ref")
@@ -53,12 +53,12 @@ def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
         (Path(path) / "weights").write_text(str(step))
         commit_directory(path, "checkpoint")
     config = Config.model_validate({"checkpoint": {"ref_load": ref}})
-    assert TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint() == iteration_dir(ref, 7)  # newest
+    assert reference_checkpoint(config.checkpoint) == iteration_dir(ref, 7)  # newest
     config.checkpoint.ref_ckpt_step = 3
-    assert TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint() == iteration_dir(ref, 3)
+    assert reference_checkpoint(config.checkpoint) == iteration_dir(ref, 3)
     config.checkpoint.ref_ckpt_step = 5
-    with pytest.raises(NotCommittedError, match="ref_ckpt_step 5: .* is not a committed checkpoint"):
-        TrainActor(config.model_dump(mode="json"), 0, 1)._ref_checkpoint()
+    with pytest.raises(NotCommittedError, match="checkpoint.ref_ckpt_step 5: .* is not a committed checkpoint"):
+        reference_checkpoint(config.checkpoint)
 
 
 def test_balance_data_evens_the_ranks_workloads():

@@ -13,7 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from slime.config import Config
-from slime.errors import CorruptArtifactError
+from slime.errors import CorruptArtifactError, NotCommittedError
 from slime.storage import commit_directory, is_committed, read_manifest
 from slime.storage.manifest import Manifest, verify_files
 from slime.storage.node_staging import NODE_STAGING_ENV, commit_from_nodes, stage_on_node
@@ -107,3 +107,36 @@ def test_a_save_from_two_nodes_is_committed_in_the_store_with_every_nodes_files(
     assert verify_files(store, manifest) == []  # every file uploaded, sizes and hashes as listed
     for node in ("a", "b"):  # a node's share is never committed locally
         assert not is_committed(str(tmp_path / node / "iter_0000001"))
+
+
+def test_ref_ckpt_step_stages_that_iteration_of_a_remote_ref_load(tmp_path, monkeypatch):
+    """`checkpoint.ref_ckpt_step` names an older iteration of a remote `ref_load` root: the driver and each
+    node stage that iteration (not the newest), and the train rank's reference resolves to its copy."""
+    from slime.backends.megatron.lora_weights import base_source
+    from slime.export import reference_checkpoint
+    from slime.storage.staging import staged
+
+    remote = "memory://ref-step/sft/checkpoint"
+    for step in (3, 7):
+        upload(committed_dir(tmp_path / f"it{step}", str(step).encode() * 10), f"{remote}/iter_{step:07d}")
+    config = Config.model_validate({"run": {"staging_dir": str(tmp_path / "driver")},
+                                    "checkpoint": {"ref_load": remote, "ref_ckpt_step": 3}})
+    with staged(config) as (local, staging):
+        ref = reference_checkpoint(local.checkpoint)
+        assert Path(ref, "model", "shard.distcp").read_bytes() == b"3" * 10
+        assert staging.to_remote(ref) == f"{remote}/iter_0000003"
+        assert base_source(local) == ref  # a LoRA stage's base: the same iteration
+        monkeypatch.setenv(NODE_STAGING_ENV, str(tmp_path / "node-b"))  # a train rank on another node
+        node, _ = stage_on_node(local, dict(staging.fields))
+        node_ref = reference_checkpoint(node.checkpoint)
+        assert node_ref.startswith(str(tmp_path / "node-b"))
+        assert Path(node_ref, "model", "shard.distcp").read_bytes() == b"3" * 10
+    newest = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_ckpt_step": None})})
+    with staged(newest) as (local, _):  # no step: the newest committed iteration, as before
+        ref = reference_checkpoint(local.checkpoint)
+        assert Path(ref, "model", "shard.distcp").read_bytes() == b"7" * 10
+    fsspec.filesystem("memory").pipe_file("/ref-step/sft/checkpoint/iter_0000005/partial", b"?")  # no manifest
+    missing = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_ckpt_step": 5})})
+    with pytest.raises(NotCommittedError, match=f"checkpoint.ref_ckpt_step 5: {remote}/iter_0000005 is not a "
+                                                "committed checkpoint"), staged(missing):
+        pass

@@ -21,6 +21,7 @@ import torch
 
 from slime.backends.megatron import lora
 from slime.backends.megatron.bridge import _local_to_global, gather_tensor_parallel
+from slime.engines.fleet import is_hf_dir
 from slime.errors import ConfigError
 
 
@@ -60,7 +61,7 @@ def _hf_rows(bridge: Any, weight_name: str, rows: int, cols: int) -> list[tuple[
 
 def save_peft_adapter(bridge: Any, models: list[torch.nn.Module], out_dir: str, *, base_model: str) -> str | None:
     """Write the adapters of `models` as a PEFT LoRA directory at `out_dir` (rank 0 writes; a collective).
-    `base_model` is the HF directory the adapter applies to (recorded as base_model_name_or_path)."""
+    `base_model` is the model the adapter applies to (recorded as base_model_name_or_path; `peft_base`)."""
     import torch.distributed as dist
 
     spec = lora.spec_of(models[0])
@@ -71,6 +72,27 @@ def save_peft_adapter(bridge: Any, models: list[torch.nn.Module], out_dir: str, 
         return None
     write_peft_adapter(state, spec, out_dir, base_model=base_model, hf_config=bridge.hf_config)
     return out_dir
+
+
+def peft_base(source: str) -> dict[str, Any]:
+    """The model a PEFT user applies adapters trained on the LoRA base `source` to (what `--merge false`
+    records as `base_model_name_or_path`): `source` itself when it is an HF directory; the HF directory a
+    conversion (`slime convert`, the pipeline's LoRA base) was made from, which holds its weights; else
+    `source`, a trained Megatron checkpoint (e.g. a full SFT) that transformers cannot load, with a
+    `warning` saying so and how to get its HF weights. (Naming the origin HF directory there would give
+    the user a model the adapters were not trained on, silently.)"""
+    from slime.storage import read_manifest
+
+    if is_hf_dir(source):
+        return {"base_model_name_or_path": source, "lora_base": source, "hf_loadable": True}
+    meta = read_manifest(source).metadata
+    if meta.get("stage") == "convert" and meta.get("origin_hf_dir"):
+        return {"base_model_name_or_path": meta["origin_hf_dir"], "lora_base": source, "hf_loadable": True}
+    return {"base_model_name_or_path": source, "lora_base": source, "hf_loadable": False,
+            "warning": f"the adapters were trained on the Megatron checkpoint {source} (stage {meta.get('stage')!r}), "
+                       "not on an HF model: base_model_name_or_path names that checkpoint, which transformers "
+                       f"cannot load; export it (`slime export --load {source} --output-dir DIR`) and apply the "
+                       "adapter to DIR with peft.PeftModel.from_pretrained, or export merged weights (--merge true)"}
 
 
 _PEFT_MODELS: dict[tuple, tuple[Any, dict[str, torch.Tensor]]] = {}
@@ -90,6 +112,8 @@ def write_peft_adapter(state: dict[str, torch.Tensor], spec: lora.LoraSpec, out_
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         peft_model = get_peft_model(model, config)
+        # get_peft_model replaces the name with the model's own (the HF config's directory): keep the real base
+        peft_model.peft_config["default"].base_model_name_or_path = base_model
         _PEFT_MODELS.clear()  # one model kept: one adapter layout per process
         _PEFT_MODELS[key] = (peft_model, get_peft_model_state_dict(peft_model))
     peft_model, expected = _PEFT_MODELS[key]  # expected: the names and shapes peft gives this adapter

@@ -4,7 +4,7 @@ A LoRA checkpoint holds adapters only, so every stage first fills the base, then
 
 * base: `checkpoint.load` when it is a full (non-LoRA) checkpoint (e.g. a full SFT or a conversion);
   else the base recorded in the LoRA checkpoint the adapters start from (the pipeline's LoRA SFT trained
-  on the conversion); else `checkpoint.ref_load` when set; else `checkpoint.hf_checkpoint`. On a resume,
+  on the conversion); else `checkpoint.ref_load` (its iteration `ref_ckpt_step` when set); else `checkpoint.hf_checkpoint`. On a resume,
   the base recorded in the checkpoint being resumed (its content hash is checked on load).
 * starting adapters: `checkpoint.load` when it is a LoRA checkpoint (the pipeline's LoRA SFT), else
   `lora.lora_adapter_path`, else fresh ones (B = 0).
@@ -39,7 +39,7 @@ def lora_checkpoint(path: str | None) -> str | None:
 
 def base_source(config: Any) -> str:
     """The base weights a LoRA stage starts on (module docstring)."""
-    from slime.export import resolve_checkpoint
+    from slime.export import reference_checkpoint, resolve_checkpoint
 
     ck = config.checkpoint
     if ck.load and not lora_checkpoint(ck.load):
@@ -48,11 +48,12 @@ def base_source(config: Any) -> str:
     if adapters is not None:
         return recorded_base(adapters)
     if ck.ref_load:
-        if lora_checkpoint(ck.ref_load):
-            raise ConfigError(f"checkpoint.ref_load {ck.ref_load} holds LoRA adapters: with LoRA the KL reference "
+        ref = reference_checkpoint(ck)  # its iteration ref_ckpt_step when set
+        if lora_checkpoint(ref):
+            raise ConfigError(f"checkpoint.ref_load {ref} holds LoRA adapters: with LoRA the KL reference "
                               "is the base (+ the starting adapters); pass the adapters as --load or "
                               "--lora-adapter-path")
-        return resolve_checkpoint(ck.ref_load)
+        return ref
     config.require("checkpoint.hf_checkpoint", stage="lora")
     return ck.hf_checkpoint
 
