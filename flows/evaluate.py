@@ -25,7 +25,7 @@ from flows._cli import DEFAULT_CONFIG, main
 from flows._report import publish_eval_table
 from flows._stage import newest_model, resolve_run, run_name, run_stage
 from slime.config import Config
-from slime.evaluate import plan_evaluate
+from slime.stages.evaluate import plan_evaluate
 from slime.storage import is_committed
 from tasks._stage import with_fields
 from tasks.evaluate import evaluate
@@ -44,7 +44,7 @@ def eval_inputs(config: Config, model: str) -> dict[str, str]:
 
 
 def evaluate_one(config: Config, run_id: str, model: str, watch: bool = False) -> dict[str, Any]:
-    """Evaluate (or reuse the evaluation of) one checkpoint; the output directory is slime.evaluate's plan.
+    """Evaluate (or reuse the evaluation of) one checkpoint; the output directory is slime.stages.evaluate's plan.
     `watch`: a scheduled eval beside the run's own writer (it takes only the evaluate lease)."""
     plan = plan_evaluate(with_fields(config, checkpoint__load=model, eval__eval_watch_run=None))
     return run_stage(evaluate, config, run_id, eval_inputs(config, model), plan.uri, watch=watch)

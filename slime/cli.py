@@ -127,13 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     stages = {
-        "convert": ("slime.convert.run_convert", "HF checkpoint -> Megatron torch_dist (--hf-checkpoint, --save)"),
-        "sft": ("slime.sft.run_sft", "supervised fine-tuning on chat data (--sft-data, --hf-checkpoint, --save)"),
-        "export": ("slime.export.run_export", "Megatron checkpoint -> HF safetensors (--load, --output-dir)"),
-        "rejection-sample": ("slime.rejection_sampling.run_rejection_sampling", "sample N responses per prompt, "
+        "convert": ("slime.stages.convert.run_convert", "HF checkpoint -> Megatron torch_dist (--hf-checkpoint, --save)"),
+        "sft": ("slime.stages.sft.run_sft", "supervised fine-tuning on chat data (--sft-data, --hf-checkpoint, --save)"),
+        "export": ("slime.stages.export.run_export", "Megatron checkpoint -> HF safetensors (--load, --output-dir)"),
+        "rejection-sample": ("slime.stages.rejection_sampling.run_rejection_sampling", "sample N responses per prompt, "
                              "score them, keep the accepted ones as an SFT shard set (--rs-policy, --rs-reward-threshold, "
                              "--rs-best-of-n)"),
-        "evaluate": ("slime.evaluate.run_evaluate", "evaluate a checkpoint on every eval dataset: pass@k, mean "
+        "evaluate": ("slime.stages.evaluate.run_evaluate", "evaluate a checkpoint on every eval dataset: pass@k, mean "
                      "reward, response length, stored under {run_id}/evaluate/ (--load, --eval-prompt-data or "
                      "--eval-config; --eval-watch-run RUN for its newest checkpoint)"),
         "rl": ("slime.rl.run_rl", "the RL loop on Ray: rollout -> train -> weight sync, periodic eval and "

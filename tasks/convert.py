@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.config import Config
-from slime.convert import run_convert
+from slime.stages.convert import run_convert
 from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
@@ -13,7 +13,7 @@ OUTPUT_NAME = "checkpoint"
 # config fields run_convert reads (its input and output locations are task arguments)
 CONFIG_FIELDS = ("megatron", "run.seed")
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.convert",))
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.convert",))
 
 
 @stage_task("convert", CACHE)

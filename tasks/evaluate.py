@@ -1,5 +1,5 @@
 """Task `evaluate`: one checkpoint on every eval dataset; result committed under
-`{store}/{run_id}/evaluate/{label}-{key10}` (slime.evaluate names it, see `plan_evaluate`)."""
+`{store}/{run_id}/evaluate/{label}-{key10}` (slime.stages.evaluate names it, see `plan_evaluate`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from typing import Any
 from prefect.runtime import task_run
 
 from slime.config import Config
-from slime.evaluate import run_evaluate
+from slime.stages.evaluate import run_evaluate
 from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
 # what an eval result depends on besides the checkpoint and the eval datasets (inputs); the same
-# sections as slime.evaluate.eval_settings, whose key also names the output directory
+# sections as slime.stages.evaluate.eval_settings, whose key also names the output directory
 CONFIG_FIELDS = ("eval", "rollout", "reward", "data", "engine", "sglang", "run.seed")
 # task tag: `prefect concurrency-limit create slime-gpu 1` keeps evals and RL steps off the GPUs at once
 GPU_TAG = "slime-gpu"
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.evaluate",))
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.evaluate",))
 
 
 def eval_run_name() -> str:

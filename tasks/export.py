@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.config import Config
-from slime.export import run_export
+from slime.stages.export import run_export
 from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
@@ -14,7 +14,7 @@ OUTPUT_NAME = "hf"
 # checkpoint, whether to merge the adapters
 CONFIG_FIELDS: tuple[str, ...] = ("export.merge",)
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.export",))
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.export",))
 
 
 @stage_task("export", CACHE)

@@ -1,5 +1,5 @@
 """Task `check-export`: the exported HF directory, loaded with plain transformers, answers the greedy eval
-prompts as the evaluate stage scored them (`slime.export_check`). Cheap and never cached: it reads two
+prompts as the evaluate stage scored them (`slime.stages.export_check`). Cheap and never cached: it reads two
 committed artifacts and proves they agree."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from slime.config import Config
-from slime.export_check import check_exported_answers
+from slime.stages.export_check import check_exported_answers
 
 
 @task(name="check-export", task_run_name="check-export-{run_id}")

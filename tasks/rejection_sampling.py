@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.config import Config
-from slime.rejection_sampling import run_rejection_sampling
+from slime.stages.rejection_sampling import run_rejection_sampling
 from slime.storage import manifest_hash
 from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
@@ -14,7 +14,7 @@ from tasks._stage import stage_result, stage_task, start_stage, with_fields
 # what the sampled and accepted set depends on besides the policy and the prompts (inputs)
 CONFIG_FIELDS = ("rejection_sampling", "rollout", "reward", "data", "engine", "sglang", "run.seed")
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rejection_sampling",))
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.rejection_sampling",))
 
 
 @stage_task("rejection_sampling", CACHE)

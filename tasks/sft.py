@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.config import Config
-from slime.sft import run_sft
+from slime.stages.sft import run_sft
 from tasks._cache import StageCachePolicy
 from tasks._stage import stage_result, stage_task, start_stage, with_fields
 
@@ -16,7 +16,7 @@ CONFIG_FIELDS = ("sft.messages_key", "sft.sft_num_epoch", "sft.sft_lr", "sft.sft
                  "sft.sft_lr_decay_style", "train", "algorithm.calculate_per_token_loss",
                  "checkpoint.no_save_optim", "data.tool_key", "megatron", "run.seed", "lora")
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.sft",))
+CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.sft",))
 
 
 @stage_task("sft", CACHE)

@@ -556,8 +556,8 @@ def test_checkpoint_of_another_architecture(tiny_kit, tmp_path):
     (origin / "config.json").write_text(json.dumps(hf_config))
     script = textwrap.dedent(f"""
         from slime.config import load_config
-        from slime.convert import run_convert
-        from slime.export import run_export
+        from slime.stages.convert import run_convert
+        from slime.stages.export import run_export
         run_convert(load_config(None, ["--hf-checkpoint", {str(tiny_kit.model_dir)!r}, "--save", {str(tmp_path / "c")!r}]))
         try:
             run_export(load_config(None, ["--load", {str(tmp_path / "c")!r}, "--origin-hf-dir", {str(origin)!r},

@@ -311,7 +311,7 @@ def test_megatron_config_path_applies_the_actor_overrides(tmp_path, caplog):
 
 
 def test_padded_vocab_size_is_the_bridges_padding(tiny_kit):
-    from slime.convert import vocab_padding
+    from slime.stages.convert import vocab_padding
 
     model = str(tiny_kit.model_dir)  # vocabulary 384
     assert vocab_padding(load_config(None, []), model) == 128  # Megatron's default multiple

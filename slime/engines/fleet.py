@@ -53,7 +53,7 @@ def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
     raises NotCommittedError naming it.
     """
     from slime.errors import NotCommittedError
-    from slime.export import resolve_checkpoint, run_export
+    from slime.stages.export import resolve_checkpoint, run_export
     from slime.storage import is_committed, read_manifest
     from slime.storage.staging import is_remote, local_copy, newest_committed
 

@@ -244,7 +244,7 @@ class TrainActor:
         from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.lora import LoraSpec, lora_callback
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
-        from slime.convert import megatron_dtype, vocab_padding
+        from slime.stages.convert import megatron_dtype, vocab_padding
 
         if self.remote_fields:  # this node's own copies (one download per node), saves uploaded from each node
             from slime.storage.node_staging import stage_on_node
@@ -330,7 +330,7 @@ class TrainActor:
             load_model_checkpoint,
             read_checkpoint_manifest,
         )
-        from slime.export import reference_checkpoint, resolve_checkpoint
+        from slime.stages.export import reference_checkpoint, resolve_checkpoint
 
         ck = self.config.checkpoint
         resume = latest_checkpoint(ck.save) if ck.save else None
@@ -367,7 +367,7 @@ class TrainActor:
         checkpoint, also on a resume); else `hf_checkpoint`. (The GPU pipeline's first run took the untrained
         HF weights as reference while RL started from SFT: KL to the reference read 6.0 at step 0.)"""
         from slime.backends.megatron.checkpoint import load_model_checkpoint
-        from slime.export import reference_checkpoint, resolve_checkpoint
+        from slime.stages.export import reference_checkpoint, resolve_checkpoint
 
         ck = self.config.checkpoint
         if ck.ref_load:

@@ -13,7 +13,7 @@ from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 
 import slime.backends.megatron.hf_export
-import slime.rejection_sampling
+import slime.stages.rejection_sampling
 import tasks.convert
 import tasks.export
 import tasks.rejection_sampling
@@ -109,7 +109,7 @@ def test_a_failure_in_rejection_sampling_resumes_there_with_convert_and_sft_cach
                             "--sft-num-epoch", "1", "--prompt-data", str(tiny_kit.train),
                             "--rs-prompt-data", f"{tiny_kit.train}@[0:4]"]}
     # the stage fails mid-way: policy exported, engines up, then the sampling call raises
-    failure = inject_failure(slime.rejection_sampling, "generate_and_score")
+    failure = inject_failure(slime.stages.rejection_sampling, "generate_and_score")
     with pytest.raises(RuntimeError, match="injected failure in generate_and_score"):
         pipeline(**params)
     assert failure.failures == 1

@@ -43,7 +43,7 @@ def test_each_step_is_split_round_robin_over_ranks():
 def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
     from slime.backends.megatron.checkpoint import iteration_dir
     from slime.errors import NotCommittedError
-    from slime.export import reference_checkpoint
+    from slime.stages.export import reference_checkpoint
     from slime.storage import commit_directory
 
     ref = str(tmp_path / "ref")

@@ -113,7 +113,7 @@ def test_ref_ckpt_step_stages_that_iteration_of_a_remote_ref_load(tmp_path, monk
     """`checkpoint.ref_ckpt_step` names an older iteration of a remote `ref_load` root: the driver and each
     node stage that iteration (not the newest), and the train rank's reference resolves to its copy."""
     from slime.backends.megatron.lora_weights import base_source
-    from slime.export import reference_checkpoint
+    from slime.stages.export import reference_checkpoint
     from slime.storage.staging import staged
 
     remote = "memory://ref-step/sft/checkpoint"

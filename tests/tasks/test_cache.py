@@ -30,7 +30,7 @@ def committed_dir(path, content: bytes):
 
 
 def sft_key(config, inputs, output="/store/r/sft/checkpoint"):
-    return stage_cache_key(config, sft_task.CONFIG_FIELDS, inputs, output, ("slime.sft",), task_source="src")
+    return stage_cache_key(config, sft_task.CONFIG_FIELDS, inputs, output, ("slime.stages.sft",), task_source="src")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from flows._plot import line_chart
 from flows.evaluate import eval_inputs
 from flows.rl import reward_curve
-from slime.evaluate import plan_evaluate
+from slime.stages.evaluate import plan_evaluate
 from slime.storage import is_committed, manifest_hash, read_samples
 from tasks._stage import with_fields
 from tasks.evaluate import evaluate

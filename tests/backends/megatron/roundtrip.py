@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from slime.config import load_config
-from slime.convert import run_convert
-from slime.export import run_export
+from slime.stages.convert import run_convert
+from slime.stages.export import run_export
 
 
 def logits_gap(hf_dir: str, checkpoint: str, dtype: torch.dtype) -> float:

@@ -3,7 +3,7 @@ ones as an SFT shard set.
 
     slime rejection-sample --config deployments/tiny-cpu.yaml --rs-policy runs/exp/export/hf \\
         --n-samples-per-prompt 8 --rs-reward-threshold 1 --rs-best-of-n 2
-    python -m slime.rejection_sampling --config deployments/tiny-cpu.yaml
+    python -m slime.stages.rejection_sampling --config deployments/tiny-cpu.yaml
 
 slime has no such stage (its recipe is `--debug-rollout-only --save-debug-rollout-data`, then a filter
 on `reward`); this one does both steps and records what it threw away. The policy (`rs_policy`, else

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from slime.config import load_config
 from slime.data.sft import load_sft_samples
 from slime.errors import ConfigError, DataFormatError
-from slime.rejection_sampling import run_rejection_sampling, select_accepted
+from slime.stages.rejection_sampling import run_rejection_sampling, select_accepted
 from slime.storage import read_manifest, read_samples, write_samples
 from slime.types import Sample, Status
 

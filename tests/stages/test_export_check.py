@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from slime.config import load_config
 from slime.errors import ConfigError
-from slime.evaluate import run_evaluate
-from slime.export_check import check_exported_answers
+from slime.stages.evaluate import run_evaluate
+from slime.stages.export_check import check_exported_answers
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from slime.config import load_config
-from slime.convert import run_convert
 from slime.errors import ConfigError, DataFormatError, NotCommittedError
-from slime.evaluate import plan_evaluate, policy_label, run_evaluate, split_metrics, write_result
 from slime.rollout import RolloutFnEvalOutput
+from slime.stages.convert import run_convert
+from slime.stages.evaluate import plan_evaluate, policy_label, run_evaluate, split_metrics, write_result
 from slime.storage import ArtifactStore, read_manifest, read_samples, write_samples
 from slime.storage.fs import open_fs
 from slime.types import Sample, Status
@@ -67,7 +67,7 @@ def no_engines(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("an engine fleet was started")
 
-    monkeypatch.setattr("slime.evaluate.serve_policy", refuse)
+    monkeypatch.setattr("slime.stages.evaluate.serve_policy", refuse)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -138,14 +138,14 @@ def test_evaluate_hf_model_summary_matches_shards_then_reuses(tiny_kit, setup):
 
     # same checkpoint, same settings: the committed result comes back, no engine is started
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("slime.evaluate.serve_policy", lambda *a, **k: pytest.fail("engines started for a reuse"))
+        mp.setattr("slime.stages.evaluate.serve_policy", lambda *a, **k: pytest.fail("engines started for a reuse"))
         again = run_evaluate(eval_config(tiny_kit, root, eval_yaml))
     assert again["reused"] is True and "phases" not in again
     assert {k: again[k] for k in ("result", "manifest_hash", "metrics")} == \
         {k: result[k] for k in ("result", "manifest_hash", "metrics")}
-    # ... also through `python -m slime.evaluate`
+    # ... also through `python -m slime.stages.evaluate`
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    cli = subprocess.run([sys.executable, "-m", "slime.evaluate", "--store", str(root / "store"), "--run-id", "evals",
+    cli = subprocess.run([sys.executable, "-m", "slime.stages.evaluate", "--store", str(root / "store"), "--run-id", "evals",
                           "--hf-checkpoint", str(tiny_kit.model_dir), "--eval-config", str(eval_yaml),
                           "--eval-temperature", "1.0", "--eval-max-response-len", "5",
                           "--rollout-max-response-len", "16"], capture_output=True, text=True, timeout=300, env=env)
@@ -180,7 +180,7 @@ def test_evaluate_converted_checkpoint_watch_mode_skips_and_reuses(tiny_kit, set
     assert [s.tokens for s in read_samples(hf["datasets"]["greedy"])] == [s.tokens for s in greedy]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("slime.evaluate.serve_policy", lambda *a, **k: pytest.fail("engines started for a skip"))
+        mp.setattr("slime.stages.evaluate.serve_policy", lambda *a, **k: pytest.fail("engines started for a skip"))
         skipped = run_evaluate(eval_config(tiny_kit, root, eval_yaml, *watch))
         assert skipped["skipped"] is True and "evaluated with this config already" in skipped["reason"]
         assert skipped["result"] == first["result"] and skipped["metrics"] == first["metrics"]

@@ -1,7 +1,7 @@
 """Stage `export`: a Megatron checkpoint -> an HF safetensors directory for transformers and SGLang.
 
     slime export --load runs/exp/rl/checkpoints --output-dir runs/exp/export/hf [--origin-hf-dir DIR]
-    python -m slime.export --config deployments/tiny-cpu.yaml
+    python -m slime.stages.export --config deployments/tiny-cpu.yaml
 
 `--load` is a checkpoint directory (`iter_NNNNNNN`) or a `--save` root (its newest committed
 iteration). The model is rebuilt from the HF config recorded at conversion, the weights are mapped
@@ -81,7 +81,7 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
-    from slime.convert import vocab_padding
+    from slime.stages.convert import vocab_padding
     from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
 
     path = resolve_checkpoint(config.checkpoint.load)

@@ -1,7 +1,7 @@
 """Stage `convert`: a Hugging Face checkpoint -> a Megatron torch_dist checkpoint (through mbridge).
 
     slime convert --hf-checkpoint runs/tiny-kit/model --save runs/exp/convert/checkpoint
-    python -m slime.convert --config deployments/tiny-cpu.yaml
+    python -m slime.stages.convert --config deployments/tiny-cpu.yaml
 
 The result is iteration 0 of `--save`, committed with a manifest recording the model type, the HF
 config, the dtype and the source directory, so `export` and training can rebuild the same model.

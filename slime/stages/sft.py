@@ -4,7 +4,7 @@
               --save runs/exp/sft/checkpoint [--load runs/exp/convert/checkpoint] \\
               --global-batch-size 64 --micro-batch-size 16 --lr 1e-3 --sft-num-epoch 2 \\
               [--lr-decay-style cosine --lr-warmup-iters 10 --save-interval 50]
-    python -m slime.sft --config deployments/tiny-cpu.yaml
+    python -m slime.stages.sft --config deployments/tiny-cpu.yaml
 
 The loss is the token mean over assistant tokens only (multi-turn masks from the chat template,
 `slime.data.sft`), reduced per sample or per token (`--calculate-per-token-loss`). Each epoch visits
@@ -60,9 +60,9 @@ def _sft(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
     from slime.backends.megatron.train import StepSettings, train_step
-    from slime.convert import megatron_dtype, vocab_padding
     from slime.data.sft import load_sft_samples
-    from slime.export import resolve_checkpoint
+    from slime.stages.convert import megatron_dtype, vocab_padding
+    from slime.stages.export import resolve_checkpoint
     from slime.storage import is_committed
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save

@@ -2,7 +2,7 @@
 
     slime evaluate --config deployments/tiny-cpu.yaml --load runs/tiny-cpu/sft/checkpoint
     slime evaluate --config deployments/tiny-cpu.yaml --eval-watch-run tiny-cpu      # for a schedule
-    python -m slime.evaluate --config deployments/tiny-cpu.yaml
+    python -m slime.stages.evaluate --config deployments/tiny-cpu.yaml
 
 The policy is `checkpoint.load` (a Megatron checkpoint, or a `--save` root: its newest committed
 iteration; an HF directory works too), else `checkpoint.hf_checkpoint`. With `eval_watch_run` it is the
@@ -191,7 +191,7 @@ class EvalPlan:
 
 def _policy_source(config: Config) -> str:
     """`checkpoint.load` (HF dir, checkpoint, or save root -> newest committed iteration), else `hf_checkpoint`."""
-    from slime.export import resolve_checkpoint
+    from slime.stages.export import resolve_checkpoint
 
     load, hf = config.checkpoint.load, config.checkpoint.hf_checkpoint
     if load and is_remote(load):  # a checkpoint, save root or export in the store

@@ -1,0 +1,4 @@
+"""The pipeline's stages as library functions, one module each: `convert` (HF -> Megatron), `sft`,
+`rejection_sampling`, `evaluate`, `export` (Megatron -> HF) and `export_check` (an export against its
+checkpoint). Each takes the one `Config` and returns what its Prefect task (tasks/) records; the RL loop,
+the largest stage, has its own room (slime/rl/). No Prefect here."""
