@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,33 @@ def _records(path: Path) -> list[bytes]:
     return out
 
 
-def read_offline_run(wandb_dir: Path) -> dict[str, Any]:
-    """The single offline run under `wandb_dir`/wandb: its run record fields, config and history rows."""
+def read_offline_run(wandb_dir: Path, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The single offline run under `wandb_dir`/wandb: its run record fields, config and history rows.
+
+    `wandb.finish()` can return before wandb's service process has written the log out (seen in CI: a file
+    with no run record yet, read right after `finish`), so the file is read again until it holds the run's
+    exit record, for at most `timeout_s`."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     [path] = list(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for data in _records(path):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(data)
+            except DecodeError:  # the last record half written: read the file again
+                break
+            records.append(record)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        assert time.monotonic() < deadline, f"{path}: no exit record {timeout_s:.0f} s after finish (records: {kinds})"
+        time.sleep(0.1)
     run: dict[str, Any] = {"path": path, "history": [], "config": {}}
-    for data in _records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.update(id=record.run.run_id, project=record.run.project, group=record.run.run_group,
