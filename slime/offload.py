@@ -92,6 +92,18 @@ def module_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
         yield prefix + name, _data_getter(tensor), _data_setter(tensor)
 
 
+def frozen_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
+    """The parameters of `module` that do not train (`requires_grad` False: a LoRA base, a freeze list's
+    layers), a tied one once. Megatron's DDP keeps trainable parameters in its buffers, which it offloads
+    itself; these live outside them and would otherwise stay on the GPU while the engines generate."""
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        if param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        yield prefix + name, _data_getter(param), _data_setter(param)
+
+
 def optimizer_slots(optimizer: torch.optim.Optimizer, prefix: Hashable = "") -> Iterator[Slot]:
     """A torch optimizer's parameters (for a mixed-precision Megatron optimizer: the fp32 main copies) and
     every tensor of its state, keyed by position so that the keys stay the same from step to step."""

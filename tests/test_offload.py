@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slime.offload import HostParking, module_slots, optimizer_slots
+from slime.offload import HostParking, frozen_parameter_slots, module_slots, optimizer_slots
 
 gpu = pytest.mark.gpu
 
@@ -23,6 +23,17 @@ def test_host_tensors_stay_where_they_are():
     assert parking.park(module_slots(model)) == 0
     assert not parking.parked and parking.host_bytes == 0
     assert parking.unpark() == 0
+
+
+def test_frozen_parameter_slots_name_only_the_frozen_ones_and_a_tied_one_once():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5, bias=False))
+    model[2].weight = model[0].weight  # tied, as an output layer on the embedding
+    model[0].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)
+    assert [key for key, _, _ in frozen_parameter_slots(model, prefix="m.")] == ["m.0.weight", "m.1.bias"]
+    [(_, get, put)] = list(frozen_parameter_slots(model[1]))
+    put(torch.zeros(4))  # moved by .data: the module's parameter object sees it
+    assert get().data_ptr() == model[1].bias.data_ptr() and not model[1].bias.any()
 
 
 def test_module_slots_name_a_tied_weight_once():

@@ -694,7 +694,9 @@ class TrainActor:
         """Free the GPU for the engines: the DDP buffers' bf16 weights go to megatron-core's pinned copies
         (gradients are dropped: the next step zeroes them), the optimizer's fp32 main weights and moments to
         pinned host twins kept from step to step (`slime.offload`; megatron-core's own optimizer offload
-        copies into fresh pageable memory, 3 s for a 0.5B model's Adam state on an H100). A no-op on CPU."""
+        copies into fresh pageable memory, 3 s for a 0.5B model's Adam state on an H100), and to the same
+        twins what lives outside those: the frozen parameters (a LoRA base, freeze lists) and the KL reference
+        model. A no-op on CPU."""
         import torch
 
         if not torch.cuda.is_available() or self.offloaded:
@@ -708,11 +710,12 @@ class TrainActor:
 
             self.parking = HostParking()
         moved = self.parking.park(self._optimizer_slots())
+        outside = self.parking.park(self.frozen_slots())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.offloaded = True
         return {"offloaded": True, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated(),
-                "optimizer_bytes": moved, "seconds": time.monotonic() - t0}
+                "optimizer_bytes": moved, "frozen_bytes": outside, "seconds": time.monotonic() - t0}
 
     def onload(self) -> dict[str, Any]:
         """Bring the weights and optimizer state back to the GPU after `offload`; a no-op on CPU."""
@@ -729,6 +732,16 @@ class TrainActor:
         self.offloaded = False
         return {"offloaded": False, "device": "cuda", "gpu_bytes": torch.cuda.memory_allocated(),
                 "seconds": time.monotonic() - t0}
+
+    def frozen_slots(self) -> Any:
+        """What `offload` moves besides the DDP buffers and the optimizer: each policy chunk's frozen
+        parameters and every tensor of the reference model (`ref_models`: no DDP, never trained)."""
+        from slime.offload import frozen_parameter_slots, module_slots
+
+        for k, model in enumerate(self.models):
+            yield from frozen_parameter_slots(model, prefix=f"frozen{k}.")
+        for k, model in enumerate(self.ref_models or []):
+            yield from module_slots(model, prefix=f"ref{k}.")
 
     def _optimizer_slots(self) -> Any:
         from slime.backends.megatron.optimizer import torch_optimizers

@@ -18,7 +18,13 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
         pytest.fail(f"the {device} case runs where the train rank uses {device}: -m gpu on the GPU machine, "
                     "the default selection elsewhere")
     rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, timeout=600))
-    assert rows["offload/onload"]["moved"] == 0.0
+    cycle = rows["offload/onload"]
+    assert cycle["moved"] == 0.0
+    # the KL reference model is parked whole with the rest; full fine-tuning freezes nothing
+    assert cycle["ref_slots"] == cycle["ref_tensors"] > 0 and cycle["frozen_slots"] == cycle["frozen_params"] == 0
+    if device == "cuda":  # policy and reference off the GPU: what stays is small against their weights
+        assert cycle["frozen_bytes"] > cycle["model_bytes"] / 3, cycle
+        assert cycle["gpu_bytes_offloaded"] < cycle["model_bytes"] / 10, cycle
     assert rows["step 0"]["lr"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # warmup starts at lr 0
     assert 0.0 < rows["step 1"]["moved"] < rows["step 2"]["moved"] < 0.01, rows
     # started from that trained checkpoint, the KL reference is the policy it loaded (not hf_checkpoint's
@@ -31,7 +37,10 @@ def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):
     """LoRA in bf16: the base is the KL reference (KL exactly 0 before the adapters move, not after), only the
     adapters train, and a rank started from the LoRA checkpoint resumes with those adapters as its reference."""
     rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--lora", timeout=600))
-    assert rows["offload/onload"]["moved"] == 0.0
+    cycle = rows["offload/onload"]
+    assert cycle["moved"] == 0.0
+    # the frozen base is parked with the optimizer (the reference is the base itself: no reference model)
+    assert cycle["frozen_slots"] == cycle["frozen_params"] > 0 and cycle["ref_slots"] == cycle["ref_tensors"] == 0
     assert rows["step 0"]["rollout/kl"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # lr 0: B stays 0
     assert rows["step 1"]["rollout/kl"] == 0.0 < rows["step 1"]["moved"], rows  # KL is taken before the step
     # k1 (the default kl_loss_type) is a signed estimate: after a 1e-4 move in bf16 its sign is rounding's

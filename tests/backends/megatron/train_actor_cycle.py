@@ -76,9 +76,19 @@ def main(model_dir: str, work: Path, load: bool, with_lora: bool = False) -> Non
         assert all(torch.isfinite(v).all() for v in now.values())
         return max((now[k] - loaded[k]).abs().max().item() for k in loaded)
 
-    actor.offload()
+    # what offload parks besides the DDP buffers and the optimizer: the frozen parameters (the LoRA base) and
+    # the KL reference model, counted against the modules themselves
+    keys = [key for key, _, _ in actor.frozen_slots()]
+    frozen = sum(1 for m in actor.models for p in {id(p): p for p in m.parameters()}.values() if not p.requires_grad)
+    reference = sum(len({id(t) for t in [*m.parameters(), *m.buffers()]}) for m in actor.ref_models or [])
+    offloaded = actor.offload()
     actor.onload()
-    print(json.dumps({"case": "offload/onload", "moved": moved()}), flush=True)
+    print(json.dumps({"case": "offload/onload", "moved": moved(), "frozen_slots": sum(k.startswith("frozen") for k in keys),
+                      "frozen_params": frozen, "ref_slots": sum(k.startswith("ref") for k in keys), "ref_tensors": reference,
+                      # CUDA: what stays allocated while offloaded, against the weights of policy and reference
+                      "gpu_bytes_offloaded": offloaded.get("gpu_bytes"), "frozen_bytes": offloaded.get("frozen_bytes"),
+                      "model_bytes": sum(t.numel() * t.element_size() for m in [*actor.models, *(actor.ref_models or [])]
+                                         for t in {id(t): t for t in m.parameters()}.values())}), flush=True)
     for step in range(3):
         uri = str(work / f"rollout{step}")
         rollout(uri, 4, 4)
