@@ -41,6 +41,7 @@ from pydantic import (
 )
 
 from slime.errors import ConfigError
+from slime.megatron_flags import NEGATED, negated_options
 from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,15 @@ class CheckpointConfig(_Section):
                                                               "committed checkpoint)")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
+    no_load_optim: bool = Field(False, description="Megatron's --no-load-optim: start from the full checkpoint `load` "
+                                                   "names with its weights, iteration, RNG and caller state but a fresh "
+                                                   "optimizer and LR schedule (a resume of this run's own `save` stays "
+                                                   "full)")
+    no_load_rng: bool = Field(False, description="Megatron's --no-load-rng: start from the full checkpoint `load` names "
+                                                 "without its RNG state (the generators keep run.seed's)")
+    finetune: bool = Field(False, description="Megatron's --finetune: take only the weights of the checkpoint `load` "
+                                              "names: iteration 0, fresh optimizer, schedule and data cursor (a resume "
+                                              "of this run's own `save` stays full)")
     dist_ckpt_optim_fully_reshardable: bool = Field(
         False, description="DistributedOptimizer state as 'fully_reshardable' (any parallel layout can load it) "
                            "instead of 'dp_reshardable' (same TP/PP)")
@@ -741,6 +751,12 @@ class Config(BaseModel):
     sglang: dict[str, Any] = Field(default_factory=dict)
     router: dict[str, Any] = Field(default_factory=dict)
     megatron: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("megatron", mode="before")
+    @classmethod
+    def _negated_flags(cls, value: Any) -> Any:
+        """Megatron-LM's `--no-rope-fusion` & co. become the megatron-core field they set False (megatron_flags)."""
+        return negated_options(value) if isinstance(value, dict) else value
     # dotted field -> where it was set ("file.yaml:12" or "--flag"), for messages of later checks
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -1075,6 +1091,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, where)) from None
+    for name, field in NEGATED.items():  # later messages about the field name the --no-X flag that set it
+        if f"megatron.{name}" in where and field in config.megatron:
+            where.setdefault(f"megatron.{field}", where[f"megatron.{name}"])
     _validate(config, where)
     config._sources = where
     _log_mapped(config, where)
@@ -1153,7 +1172,7 @@ def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dic
         if isinstance(value, str):
             value = _scalar(value)
         section = FIELD_SECTION.get(key)
-        if section is None and key not in megatron_flag_names():
+        if section is None and key not in megatron_flag_names() and key not in NEGATED:
             raise ConfigError(f"megatron_config_path {path}: {role} override {key!r} is neither a config field nor "
                               f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names()])}")
         nested.setdefault(section or "megatron", {})[key] = value
@@ -1223,6 +1242,26 @@ def check_async_mode(config: Config, fail: Any) -> None:
         fail("sync.max_policy_version_lag", f"async_mode {sync.async_mode} with update_weights_interval "
              f"{sync.update_weights_interval} trains samples up to {scheduled} versions behind, above the bound "
              f"{sync.max_policy_version_lag}", "sync.async_mode", "sync.update_weights_interval")
+
+
+def _check_load_flags(config: Config, fail: Any) -> None:
+    """--finetune / --no-load-optim / --no-load-rng shape the start from the checkpoint `load` names; `save`
+    holds this run's own checkpoints, which always resume in full (the resume promise, docs/checkpoints.md), so
+    the two must differ (Megatron-LM scripts often pass one directory as both)."""
+    ck = config.checkpoint
+    given = [name for name in ("finetune", "no_load_optim", "no_load_rng") if getattr(ck, name)]
+    if not (given and ck.load and ck.save) or not ("://" in ck.save or os.path.isabs(ck.save)):
+        return  # a relative save lies under {store}/{run_id}: a run directory of its own
+
+    def norm(path: str) -> str:
+        return path.rstrip("/") if "://" in path else os.path.normpath(os.path.abspath(path))
+
+    load, save = norm(ck.load), norm(ck.save)
+    if load == save or load.startswith(save + "/"):
+        fail(f"checkpoint.{given[0]}", f"--{given[0].replace('_', '-')} applies to the checkpoint --load names when "
+             "the run starts from it, but --save is the same directory: its checkpoints are this run's own and "
+             "resume in full after a restart. Give --save a directory of its own", "checkpoint.load",
+             "checkpoint.save")
 
 
 def _check_adapter_sync(config: Config, fail: Any) -> None:
@@ -1386,6 +1425,7 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if config.engine.use_fault_tolerance:
             fail("engine.use_fault_tolerance", "restarts engines this run started: external engines "
                  "(rollout_external_engine_addrs) cannot be restarted here", "engine.rollout_external_engine_addrs")
+    _check_load_flags(config, fail)
     if config.cluster.release_train:
         if not config.checkpoint.save or config.checkpoint.no_save_optim:
             fail("cluster.release_train", "the recreated train ranks resume from a full checkpoint of each rollout: "
