@@ -9,7 +9,8 @@ pass-through dicts instead of typed fields:
 * `router`: every `--router-<flag>` (sglang-router), forwarded to the router;
 * `megatron`: Megatron flags that slime does not model itself (`--tensor-model-parallel-size 2`),
   checked against megatron-core's config dataclasses when an unknown flag is seen; the model's own
-  (`TransformerConfig`) options reach the model through `bridge.model_options`.
+  (`TransformerConfig`) options reach the model through `bridge.model_options`. Megatron-LM's `--no-X`
+  fusion flags are stored as the option they set False (`slime/megatron_flags.py`).
 
 Errors name the file and line (YAML) or the flag (CLI) that is wrong. `section_hash` gives a stable
 content hash of any section, which the orchestration layer uses as a cache key.
@@ -864,7 +865,8 @@ def reference_markdown() -> str:
         "(checked against megatron-core's `TransformerConfig`, `OptimizerConfig`, "
         "`DistributedDataParallelConfig` and the scheduler flags). `TransformerConfig`'s own fields "
         "(`--recompute-granularity`, dropouts, fusions) go into the model; its shape flags "
-        "(`--num-layers`, ...) must equal the checkpoint's |",
+        "(`--num-layers`, ...) must equal the checkpoint's; Megatron-LM's `--no-rope-fusion` & co. set the "
+        "fusion they name off (`slime/megatron_flags.py`) |",
         "",
         flag_table_markdown(),
     ]
