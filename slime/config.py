@@ -752,14 +752,14 @@ class Config(BaseModel):
     sglang: dict[str, Any] = Field(default_factory=dict)
     router: dict[str, Any] = Field(default_factory=dict)
     megatron: dict[str, Any] = Field(default_factory=dict)
+    # dotted field -> where it was set ("file.yaml:12" or "--flag"), for messages of later checks
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("megatron", mode="before")
     @classmethod
     def _negated_flags(cls, value: Any) -> Any:
         """Megatron-LM's `--no-rope-fusion` & co. become the megatron-core field they set False (megatron_flags)."""
         return negated_options(value) if isinstance(value, dict) else value
-    # dotted field -> where it was set ("file.yaml:12" or "--flag"), for messages of later checks
-    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def source(self, dotted: str) -> str | None:
         """Where `section.field` was set (YAML file and line, or the CLI flag); None for a default."""
@@ -1248,8 +1248,8 @@ def check_async_mode(config: Config, fail: Any) -> None:
 
 def _check_load_flags(config: Config, fail: Any) -> None:
     """--finetune / --no-load-optim / --no-load-rng shape the start from the checkpoint `load` names; `save`
-    holds this run's own checkpoints, which always resume in full (the resume promise, docs/checkpoints.md), so
-    the two must differ (Megatron-LM scripts often pass one directory as both)."""
+    holds this run's own checkpoints, which always resume in full (the resume promise; docs/rl.md "Starting from
+    another checkpoint"), so the two must differ (Megatron-LM scripts often pass one directory as both)."""
     ck = config.checkpoint
     given = [name for name in ("finetune", "no_load_optim", "no_load_rng") if getattr(ck, name)]
     if not (given and ck.load and ck.save) or not ("://" in ck.save or os.path.isabs(ck.save)):
