@@ -9,7 +9,8 @@ pass-through dicts instead of typed fields:
 * `router`: every `--router-<flag>` (sglang-router), forwarded to the router;
 * `megatron`: Megatron flags that slime does not model itself (`--tensor-model-parallel-size 2`),
   checked against megatron-core's config dataclasses when an unknown flag is seen; the model's own
-  (`TransformerConfig`) options reach the model through `bridge.model_options`.
+  (`TransformerConfig`) options reach the model through `bridge.model_options`. Megatron-LM's `--no-X`
+  fusion flags are stored as the option they set False (`slime/megatron_flags.py`).
 
 Errors name the file and line (YAML) or the flag (CLI) that is wrong. `section_hash` gives a stable
 content hash of any section, which the orchestration layer uses as a cache key.
@@ -41,6 +42,7 @@ from pydantic import (
 )
 
 from slime.errors import ConfigError
+from slime.megatron_flags import NEGATED, negated_options
 from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
@@ -235,6 +237,15 @@ class CheckpointConfig(_Section):
                                                               "committed checkpoint)")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
+    no_load_optim: bool = Field(False, description="Megatron's --no-load-optim: start from the full checkpoint `load` "
+                                                   "names with its weights, iteration, RNG and caller state but a fresh "
+                                                   "optimizer and LR schedule (a resume of this run's own `save` stays "
+                                                   "full)")
+    no_load_rng: bool = Field(False, description="Megatron's --no-load-rng: start from the full checkpoint `load` names "
+                                                 "without its RNG state (the generators keep run.seed's)")
+    finetune: bool = Field(False, description="Megatron's --finetune: take only the weights of the checkpoint `load` "
+                                              "names: iteration 0, fresh optimizer, schedule and data cursor (a resume "
+                                              "of this run's own `save` stays full)")
     dist_ckpt_optim_fully_reshardable: bool = Field(
         False, description="DistributedOptimizer state as 'fully_reshardable' (any parallel layout can load it) "
                            "instead of 'dp_reshardable' (same TP/PP)")
@@ -759,6 +770,12 @@ class Config(BaseModel):
             self.data.rollout_max_prompt_len = context - 1
         return self
 
+    @field_validator("megatron", mode="before")
+    @classmethod
+    def _negated_flags(cls, value: Any) -> Any:
+        """Megatron-LM's `--no-rope-fusion` & co. become the megatron-core field they set False (megatron_flags)."""
+        return negated_options(value) if isinstance(value, dict) else value
+
     def source(self, dotted: str) -> str | None:
         """Where `section.field` was set (YAML file and line, or the CLI flag); None for a default."""
         return self._sources.get(dotted)
@@ -863,7 +880,8 @@ def reference_markdown() -> str:
         "(checked against megatron-core's `TransformerConfig`, `OptimizerConfig`, "
         "`DistributedDataParallelConfig` and the scheduler flags). `TransformerConfig`'s own fields "
         "(`--recompute-granularity`, dropouts, fusions) go into the model; its shape flags "
-        "(`--num-layers`, ...) must equal the checkpoint's |",
+        "(`--num-layers`, ...) must equal the checkpoint's; Megatron-LM's `--no-rope-fusion` & co. set the "
+        "fusion they name off (`slime/megatron_flags.py`) |",
         "",
         flag_table_markdown(),
     ]
@@ -1090,6 +1108,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, where)) from None
+    for name, field in NEGATED.items():  # later messages about the field name the --no-X flag that set it
+        if f"megatron.{name}" in where and field in config.megatron:
+            where.setdefault(f"megatron.{field}", where[f"megatron.{name}"])
     _validate(config, where)
     config._sources = where
     _log_mapped(config, where)
@@ -1168,7 +1189,7 @@ def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dic
         if isinstance(value, str):
             value = _scalar(value)
         section = FIELD_SECTION.get(key)
-        if section is None and key not in megatron_flag_names():
+        if section is None and key not in megatron_flag_names() and key not in NEGATED:
             raise ConfigError(f"megatron_config_path {path}: {role} override {key!r} is neither a config field nor "
                               f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names()])}")
         nested.setdefault(section or "megatron", {})[key] = value
@@ -1238,6 +1259,26 @@ def check_async_mode(config: Config, fail: Any) -> None:
         fail("sync.max_policy_version_lag", f"async_mode {sync.async_mode} with update_weights_interval "
              f"{sync.update_weights_interval} trains samples up to {scheduled} versions behind, above the bound "
              f"{sync.max_policy_version_lag}", "sync.async_mode", "sync.update_weights_interval")
+
+
+def _check_load_flags(config: Config, fail: Any) -> None:
+    """--finetune / --no-load-optim / --no-load-rng shape the start from the checkpoint `load` names; `save`
+    holds this run's own checkpoints, which always resume in full (the resume promise; docs/rl.md "Starting from
+    another checkpoint"), so the two must differ (Megatron-LM scripts often pass one directory as both)."""
+    ck = config.checkpoint
+    given = [name for name in ("finetune", "no_load_optim", "no_load_rng") if getattr(ck, name)]
+    if not (given and ck.load and ck.save) or not ("://" in ck.save or os.path.isabs(ck.save)):
+        return  # a relative save lies under {store}/{run_id}: a run directory of its own
+
+    def norm(path: str) -> str:
+        return path.rstrip("/") if "://" in path else os.path.normpath(os.path.abspath(path))
+
+    load, save = norm(ck.load), norm(ck.save)
+    if load == save or load.startswith(save + "/"):
+        fail(f"checkpoint.{given[0]}", f"--{given[0].replace('_', '-')} applies to the checkpoint --load names when "
+             "the run starts from it, but --save is the same directory: its checkpoints are this run's own and "
+             "resume in full after a restart. Give --save a directory of its own", "checkpoint.load",
+             "checkpoint.save")
 
 
 def _check_adapter_sync(config: Config, fail: Any) -> None:
@@ -1410,6 +1451,7 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         if config.engine.use_fault_tolerance:
             fail("engine.use_fault_tolerance", "restarts engines this run started: external engines "
                  "(rollout_external_engine_addrs) cannot be restarted here", "engine.rollout_external_engine_addrs")
+    _check_load_flags(config, fail)
     if config.cluster.release_train:
         if not config.checkpoint.save or config.checkpoint.no_save_optim:
             fail("cluster.release_train", "the recreated train ranks resume from a full checkpoint of each rollout: "

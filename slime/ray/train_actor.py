@@ -14,8 +14,9 @@ Per rollout (`train`), each rank:
 4. runs `train_step` per step and returns the mean of the steps' global metrics with slime's names.
 
 Weights at `init`: the newest committed checkpoint under `save` (a resume: full training state, next
-rollout id = its iteration + 1), else `load` (a full RL checkpoint resumes; a model-only one, e.g. a
-conversion or SFT output, only gives weights), else `ref_load`, else the HF checkpoint. Checkpoint
+rollout id = its iteration + 1), else `load` (a full RL checkpoint resumes, less its optimizer and schedule
+with --no-load-optim or its RNG with --no-load-rng; with --finetune, or a model-only one, e.g. a conversion
+or SFT output, it only gives weights), else `ref_load`, else the HF checkpoint. Checkpoint
 iteration = rollout id. Everything returned is a small JSON-able dict. Departures from slime: the
 reference is a separate model rather than a CPU copy swapped in.
 """
@@ -307,9 +308,11 @@ class TrainActor:
         c = self.config
         resume = latest_checkpoint(c.checkpoint.save) if c.checkpoint.save else None
         start_from = lora_weights.lora_checkpoint(c.checkpoint.load) if resume is None else None
+        partial = {}  # --no-load-optim / --no-load-rng: for the start from `load`, as in _load_weights
         if start_from and read_checkpoint_manifest(start_from).metadata.get("stage") == STAGE and \
-                read_checkpoint_manifest(start_from).metadata.get("training_state"):
+                read_checkpoint_manifest(start_from).metadata.get("training_state") and not c.checkpoint.finetune:
             resume = start_from  # a full RL checkpoint as --load resumes, as without LoRA
+            partial = {"load_optim": not c.checkpoint.no_load_optim, "load_rng": not c.checkpoint.no_load_rng}
         self.lora_kl = bool(c.algorithm.use_kl_loss or c.algorithm.kl_coef)
         if resume is None:
             self.lora_reference = lora_weights.start_weights(self.bridge, self.models, c)
@@ -318,7 +321,7 @@ class TrainActor:
         lora_weights.load_base(self.bridge, self.models, lora_weights.recorded_base(resume))
         if self.lora_kl:
             self.lora_reference = lora_weights.reference_snapshot(self.models, c)
-        state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler)
+        state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler, **partial)
         self.loaded_extra_state = state.extra_state
         logger.info("rank %d: resumed LoRA adapters from %s, next rollout %d", self.rank, resume, state.iteration + 1)
         return state.iteration + 1
@@ -334,24 +337,27 @@ class TrainActor:
 
         ck = self.config.checkpoint
         resume = latest_checkpoint(ck.save) if ck.save else None
+        partial = {}  # Megatron's --no-load-optim / --no-load-rng: for the start from `load`, never an own resume
         if resume is None and ck.load:
             path = resolve_checkpoint(ck.load)
             meta = read_checkpoint_manifest(path).metadata
-            if meta.get("stage") == STAGE and meta.get("training_state"):
+            if meta.get("stage") == STAGE and meta.get("training_state") and not ck.finetune:
                 resume = path
+                partial = {"load_optim": not ck.no_load_optim, "load_rng": not ck.no_load_rng}
             else:
                 load_model_checkpoint(self.models, path)
                 # bf16/fp16: the optimizer's fp32 main copies were taken from the weights at build time; without
                 # this the first step would write those (Megatron's random init) back over the loaded model
                 self.optimizer.reload_model_params()
-                logger.info("rank %d: weights from %s (model only)", self.rank, path)
+                logger.info("rank %d: weights from %s (model only%s)", self.rank, path,
+                            ", --finetune" if ck.finetune else "")
                 return 0
         if resume is not None:
             stage = read_checkpoint_manifest(resume).metadata.get("stage")
             if stage != STAGE:
                 raise ConfigError(f"{resume} is a checkpoint of stage {stage!r}, not an RL checkpoint: give RL its "
                                   "own --save directory and pass the other checkpoint as --load or --ref-load")
-            state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler)
+            state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler, **partial)
             self.loaded_extra_state = state.extra_state
             logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
             return state.iteration + 1

@@ -11,7 +11,9 @@ The loss is the token mean over assistant tokens only (multi-turn masks from the
 the conversations in a seeded order in steps of `global_batch_size` (a last partial step is dropped,
 as in slime). Optimizer and LR schedule come from the `train:` section (`build_optimizer_and_scheduler`;
 the schedule's length defaults to the stage's total steps). Weights start from `--load` (a converted
-checkpoint, model only) when given, else from the HF checkpoint.
+checkpoint, model only) when given, else from the HF checkpoint. That start is always what Megatron's
+`--finetune` asks for (weights only, step 0, fresh optimizer), so `--finetune`, `--no-load-optim` and
+`--no-load-rng` change nothing here; they never apply to the resume from `--save` below.
 
 Checkpoints: every `sft_save_interval` optimizer steps and at the end, the full training state (model,
 optimizer, scheduler, RNG, loss curve) is committed as iteration N = steps done under `--save`

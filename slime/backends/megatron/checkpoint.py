@@ -23,7 +23,8 @@ Loading checks before it touches any tensor: the architecture and dtype recorded
 match the model loaded into (always), and for a full training-state resume also the parallel layout
 (TP, PP, DP, DistributedOptimizer) and the LR schedule; each refusal names the differing field.
 `load_model_checkpoint` loads weights only (conversion output, `--ref-load`, export);
-`load_checkpoint` restores the whole training state for a bit-exact resume.
+`load_checkpoint` restores the whole training state for a bit-exact resume, or all of it but the optimizer
+and schedule (Megatron's --no-load-optim) or the RNG (--no-load-rng).
 """
 
 from __future__ import annotations
@@ -228,9 +229,15 @@ def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
     return manifest
 
 
-def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, scheduler: Any = None) -> TrainingState:
+def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, scheduler: Any = None, *,
+                    load_optim: bool = True, load_rng: bool = True) -> TrainingState:
     """Restore the full training state saved by `save_checkpoint` (a collective call): weights,
-    optimizer, scheduler, this rank's RNG. Returns the iteration and the caller's `extra_state`."""
+    optimizer, scheduler, this rank's RNG. Returns the iteration and the caller's `extra_state`.
+
+    Megatron's --no-load-optim (`load_optim=False`): the optimizer and scheduler stay as built (fresh; the
+    optimizer's main params are refreshed from the loaded weights), as Megatron-LM loads the scheduler only
+    with the optimizer. --no-load-rng (`load_rng=False`): the generators keep their current state. The
+    schedule check applies only when the scheduler is loaded, the layout check when per-rank state is."""
     from megatron.core import dist_checkpointing
 
     manifest = read_checkpoint_manifest(path)
@@ -241,27 +248,38 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
             "training with its optimizer, schedule and RNG. Load it model-only (--load of a new --save "
             "directory, or --ref-load), or resume from a checkpoint saved without --no-save-optim")
     _check(meta.get("model_signature"), model_signature(models), path)
-    _check(meta.get("parallel"), parallel_layout(models, optimizer), path)
+    if load_optim or load_rng:  # both are saved per rank (optimizer shards, RNG files)
+        _check(meta.get("parallel"), parallel_layout(models, optimizer), path)
     with open(os.path.join(path, TRAINING_STATE)) as f:
         training = json.load(f)
-    if scheduler is not None:
+    if scheduler is not None and load_optim:
         _check_scheduler(training.get("scheduler"), scheduler.state_dict(), path)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    with open(os.path.join(path, "rng", f"rank_{rank:05d}.json")) as f:
-        rng = json.load(f)
+    rng = None
+    if load_rng:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.path.join(path, "rng", f"rank_{rank:05d}.json")) as f:
+            rng = json.load(f)
 
     _load_model(models, path)
-    model = _single_chunk(models)
-    init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
-    state = optimizer.sharded_state_dict(_model_state(model), is_loading=True,
-                                         metadata=_sharding_metadata(meta.get("optimizer_sharding")))
-    optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
-    init_optimizer_state(optimizer)  # a state saved before the first step has no `step` (megatron drops a 0)
-    untie_adam_steps(optimizer)  # fix 3
-    if scheduler is not None and training.get("scheduler") is not None:
-        scheduler.load_state_dict(training["scheduler"])
-    restore_rng_state(rng)
-    logger.info("resumed training state of %s (iteration %d)", path, training["iteration"])
+    if load_optim:
+        model = _single_chunk(models)
+        init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
+        state = optimizer.sharded_state_dict(_model_state(model), is_loading=True,
+                                             metadata=_sharding_metadata(meta.get("optimizer_sharding")))
+        optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
+        init_optimizer_state(optimizer)  # a state saved before the first step has no `step` (megatron drops a 0)
+        untie_adam_steps(optimizer)  # fix 3
+        if scheduler is not None and training.get("scheduler") is not None:
+            scheduler.load_state_dict(training["scheduler"])
+    else:
+        # bf16/fp16: the fresh optimizer's fp32 main params were copied from the weights at build time; without
+        # this its first step would write those back over the loaded model
+        optimizer.reload_model_params()
+    if rng is not None:
+        restore_rng_state(rng)
+    logger.info("resumed training state of %s (iteration %d)%s%s", path, training["iteration"],
+                "" if load_optim else ", fresh optimizer and schedule (--no-load-optim)",
+                "" if load_rng else ", RNG not restored (--no-load-rng)")
     return TrainingState(iteration=int(training["iteration"]), extra_state=training.get("extra_state") or {},
                          manifest=manifest)
 

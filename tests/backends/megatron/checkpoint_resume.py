@@ -7,6 +7,8 @@
                                                                               frozen base: adapters-only saves
     ... --fused-adam                                                          torch's fused AdamW kernel (the
                                                                               default only on CUDA)
+    resume ... --no-load-optim / --no-load-rng                                Megatron's partial loads: fresh
+                                                                              optimizer and schedule / RNG
 
 Adam with warmup + cosine (fp32, CPU) on random tokens. After every step (and right after the save /
 the load) it prints one JSON line: sha256 of the weights and of the optimizer state, the learning
@@ -113,6 +115,8 @@ def main() -> None:
     parser.add_argument("--distributed", default=None, choices=["dp_reshardable", "fully_reshardable"])
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--fused-adam", action="store_true")
+    parser.add_argument("--no-load-optim", action="store_true")
+    parser.add_argument("--no-load-rng", action="store_true")
     args = parser.parse_args()
     rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora,
                                                               fused_adam=args.fused_adam)
@@ -128,7 +132,8 @@ def main() -> None:
                     save_model_checkpoint(models, f"{args.save}/model_only", k, metadata={"stage": "test"})
             report(models, optimizer, rank, k, "after step", loss=loss)
     elif args.mode == "resume":
-        state = load_checkpoint(models, iteration_dir(full, SAVE_AT), optimizer, scheduler)
+        state = load_checkpoint(models, iteration_dir(full, SAVE_AT), optimizer, scheduler,
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
         report(models, optimizer, rank, SAVE_AT, "after step", extra_state=state.extra_state,
                iteration=state.iteration)
         for k in range(SAVE_AT + 1, STEPS + 1):

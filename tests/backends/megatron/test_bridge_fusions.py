@@ -11,3 +11,14 @@ def test_fused_swiglu_matches_the_unfused_model(tiny_kit):
     assert row["logit_gap"] < 1e-6 * row["logit_scale"], row
     assert row["grad_gap"] < 1e-6, row
     assert row["available"] is False  # CPU: the bridge keeps it off by default
+
+
+def test_megatron_no_fusion_flags_turn_the_fusions_off_in_the_model(tiny_kit):
+    """slime command lines carry Megatron-LM's --no-rope-fusion & co.; each reaches the built model's
+    TransformerConfig as its field set False, over the bridge's defaults (on where CUDA has Triton)."""
+    row = run_script("negated_flags.py", tiny_kit.model_dir, timeout=300)[0]
+    # the defaults the bridge gives a CUDA machine with Triton: the three fusions with torch providers on
+    assert row["default"]["gradient_accumulation_fusion"] and row["default"]["apply_rope_fusion"], row
+    assert row["default"]["bias_activation_fusion"], row
+    assert row["megatron"] == {field: False for field in row["flagged"]}, row
+    assert not any(row["flagged"].values()), row

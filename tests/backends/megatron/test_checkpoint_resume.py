@@ -4,6 +4,7 @@ next random draws (python, numpy, torch) must be identical, on one rank with the
 on two data-parallel ranks (gloo) with the DistributedOptimizer. Then the refusals and model-only loads.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -74,6 +75,33 @@ def test_one_rank_resume_with_fused_adam_is_bit_exact(tiny_kit, tmp_path):
     run, resume = run_and_resume(tiny_kit.model_dir, tmp_path, 1, "--fused-adam")
     assert_bit_exact(run, resume)
     assert all(row["fused"] for rows in (*run, *resume) for row in rows)
+
+
+EMPTY = hashlib.sha256().hexdigest()  # the digest of an optimizer with no state: fresh, never stepped
+
+
+def test_no_load_optim_keeps_weights_iteration_and_rng_with_a_fresh_optimizer_and_schedule(one_rank, tiny_kit):
+    """Megatron's --no-load-optim: the optimizer and LR schedule start afresh (Megatron-LM loads the schedule only
+    with the optimizer), everything else is the checkpoint's."""
+    save, run, _ = one_rank
+    (rows,) = run_ranks(SCRIPT, 1, ["resume", str(tiny_kit.model_dir), str(save), "--no-load-optim"], timeout=600)
+    saved = next(row for row in run[0] if row["step"] == SAVE_AT)
+    loaded = rows[0]
+    assert loaded["weights"] == saved["weights"] and loaded["draws"] == saved["draws"]
+    assert loaded["iteration"] == SAVE_AT and loaded["extra_state"] == {"cursor": 8, "buffer": [[1, 2], [3]]}
+    assert saved["optimizer"] != EMPTY and loaded["optimizer"] == EMPTY
+    assert loaded["lr"] == pytest.approx(1e-4) != saved["lr"]  # the warmup's first lr (lr_warmup_init), again
+    # the first step after the load trains from the loaded weights with fresh Adam moments: not the run's step
+    assert rows[1]["weights"] != next(row for row in run[0] if row["step"] == SAVE_AT + 1)["weights"]
+
+
+def test_no_load_rng_keeps_the_optimizer_and_leaves_the_generators(one_rank, tiny_kit):
+    save, run, _ = one_rank
+    (rows,) = run_ranks(SCRIPT, 1, ["resume", str(tiny_kit.model_dir), str(save), "--no-load-rng"], timeout=600)
+    saved = next(row for row in run[0] if row["step"] == SAVE_AT)
+    loaded = rows[0]
+    assert (loaded["weights"], loaded["optimizer"], loaded["lr"]) == (saved["weights"], saved["optimizer"], saved["lr"])
+    assert loaded["draws"] != saved["draws"]  # the generators are the fresh process's, not the saved ones
 
 
 @pytest.fixture(scope="module")

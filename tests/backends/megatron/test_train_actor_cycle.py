@@ -31,6 +31,22 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
     # untrained weights: the GPU pipeline once read KL 6.0 at RL's first step)
     resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", timeout=600))
     assert resumed["kl to reference"]["start"] == 3 and resumed["kl to reference"]["kl"] == 0.0, resumed
+    # a full resume: Adam's state of the three steps, and the schedule past its warmup
+    assert resumed["kl to reference"]["adam_steps"] == 3.0 and resumed["kl to reference"]["lr"] > 0.0, resumed
+
+
+def test_finetune_and_no_load_optim_shape_the_start_from_a_full_rl_checkpoint(tiny_kit, tmp_path):
+    """Megatron's --finetune: the checkpoint's weights only (rollout 0, fresh optimizer and schedule);
+    --no-load-optim: its weights and rollout id, but a fresh optimizer and schedule (warmup from lr 0 again)."""
+    run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, timeout=600)
+    rows = {flag: rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", flag,
+                                          timeout=600))["kl to reference"]
+            for flag in ("--finetune", "--no-load-optim")}
+    finetune, no_optim = rows["--finetune"], rows["--no-load-optim"]
+    assert finetune["start"] == 0 and no_optim["start"] == 3, rows
+    assert finetune["adam_steps"] == 0.0 and no_optim["adam_steps"] == 0.0, rows
+    assert finetune["lr"] == 0.0 and no_optim["lr"] == 0.0, rows  # the warmup's first step, not the resumed lr
+    assert finetune["kl"] == 0.0 and no_optim["kl"] == 0.0, rows  # the loaded weights are the policy
 
 
 def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):

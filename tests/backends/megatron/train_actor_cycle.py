@@ -7,7 +7,11 @@ Prints one JSON row for an offload/onload round trip and one per train step (eac
 offload/onload, as the RL loop does when colocated): the learning rate and the largest weight change
 from the loaded weights; the trained rank is saved to WORK_DIR/ckpt. With --load, a rank started from
 that checkpoint (`checkpoint.load`) trains one step and prints its KL to the reference model, which
-must be the loaded policy. Offload and onload are no-ops on CPU.
+must be the loaded policy, with the rollout it starts at, its Adam step count before training and the
+step's learning rate. Offload and onload are no-ops on CPU.
+
+    ... --load --finetune         Megatron's --finetune: the checkpoint's weights only
+    ... --load --no-load-optim    Megatron's --no-load-optim: all of it but the optimizer and LR schedule
 
     ... --lora    the same with LoRA adapters (rank 4) on the frozen base: step rows also carry the KL to the
                   reference (the base, or the loaded adapters) and the trainable / total parameter counts
@@ -52,8 +56,16 @@ def rollout(uri: str, groups: int, n: int, advantage: float | None = None) -> No
     write_samples(uri, samples)
 
 
-def main(model_dir: str, work: Path, load: bool, with_lora: bool = False) -> None:
-    checkpoint = {"hf_checkpoint": model_dir, **({"load": str(work / "ckpt")} if load else {"save": str(work / "ckpt")})}
+def adam_steps(actor: TrainActor) -> float:
+    """The largest `step` count over Adam's per-parameter state (0 for a fresh optimizer)."""
+    inners = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    return max((float(state["step"]) for inner in inners for state in inner.optimizer.state.values()
+                if "step" in state), default=0.0)
+
+
+def main(model_dir: str, work: Path, load: bool, with_lora: bool = False, load_flags: tuple[str, ...] = ()) -> None:
+    checkpoint = {"hf_checkpoint": model_dir, **({"load": str(work / "ckpt")} if load else {"save": str(work / "ckpt")}),
+                  **{flag[2:].replace("-", "_"): True for flag in load_flags}}
     config = Config.model_validate({
         "run": {"store": str(work), "run_id": "cycle"}, "checkpoint": checkpoint,
         "cluster": {"colocate": True},
@@ -64,10 +76,12 @@ def main(model_dir: str, work: Path, load: bool, with_lora: bool = False) -> Non
     actor = TrainActor(config.model_dump(mode="json"), 0, 1)
     start = actor.init(f"tcp://127.0.0.1:{free_port()}")
     if load:
-        uri = str(work / "rollout-resumed")
+        uri = str(work / f"rollout-resumed{''.join(load_flags)}")
         rollout(uri, 4, 4)
+        steps = adam_steps(actor)
         metrics = actor.train(start, uri)
-        print(json.dumps({"case": "kl to reference", "start": start, "kl": metrics["rollout/kl"]}), flush=True)
+        print(json.dumps({"case": "kl to reference", "start": start, "kl": metrics["rollout/kl"],
+                          "adam_steps": steps, "lr": metrics["train/lr"]}), flush=True)
         return
     loaded = weights(actor)
 
@@ -104,4 +118,5 @@ def main(model_dir: str, work: Path, load: bool, with_lora: bool = False) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), "--load" in sys.argv[3:], "--lora" in sys.argv[3:])
+    main(sys.argv[1], Path(sys.argv[2]), "--load" in sys.argv[3:], "--lora" in sys.argv[3:],
+         tuple(flag for flag in sys.argv[3:] if flag in ("--finetune", "--no-load-optim")))
