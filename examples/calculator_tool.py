@@ -93,7 +93,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     params = {**sampling_params, "stop": ["</tool_call>"]}
     turns = sample.metadata.setdefault("turns", 0)
     calls = sample.metadata.setdefault("tool_calls", [])
-    while turns < MAX_TURNS and budget_left(sample, sampling_params, args):
+    while turns < MAX_TURNS and budget_left(sample, sampling_params, args) != 0:  # None: no limit
         output = await generate_turn(args, sample, params, max_new_tokens=TURN_TOKENS)
         append_model_output(args, sample, output)
         turns += 1

@@ -58,8 +58,9 @@ def test_calculator_tool_calls_are_parsed_and_evaluated_safely():
     assert REMINDER in tool_message([])
 
 
-def test_calculator_example_runs_through_the_router(make_args, tiny_kit):
-    args = make_args(rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=120,
+@pytest.mark.parametrize("max_response_len", [120, None])  # None: no response limit, the turns bound it
+def test_calculator_example_runs_through_the_router(make_args, tiny_kit, max_response_len):
+    args = make_args(rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=max_response_len,
                      custom_generate_function_path="examples.calculator_tool.generate",
                      custom_rm_path="rollout_plugins.rm_one")
     data_source = RolloutDataSource(load_prompts(str(tiny_kit.train)), n_samples_per_prompt=2, args=args)
