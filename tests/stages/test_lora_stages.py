@@ -73,7 +73,7 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
 
 @pytest.mark.slow  # ~90 s on 2 loaded cores; the bit-exact LoRA resume of test_checkpoint_resume.py runs in CI
 def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
-    from test_sft import model_weights
+    from test_sft_stage import model_weights
 
     flags = ["sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
              "--global-batch-size", "16", "--micro-batch-size", "16", "--sft-lr", "1e-2", "--sft-num-epoch", "2",
