@@ -1361,9 +1361,9 @@ def _check_opd(config: Config, fail: Any) -> None:
         fail("algorithm.opd_type", "--use-opd needs --opd-type: megatron (a teacher checkpoint in the train ranks, "
              "--opd-teacher-load)", "algorithm.use_opd")
     if a.opd_type == "sglang":
-        fail("algorithm.opd_type", "sglang (teacher log-probs from an external engine, stored on each sample) is not "
-             "built here: rollout shards carry no teacher log-probs; use --opd-type megatron with the teacher's "
-             "Megatron checkpoint as --opd-teacher-load", "algorithm.use_opd")
+        fail("algorithm.opd_type", "sglang is not built here (slime fills sample.teacher_log_probs from a teacher "
+             "engine in its --custom-reward-post-process-path hook, which this project does not run); use --opd-type "
+             "megatron with the teacher's Megatron checkpoint as --opd-teacher-load", "algorithm.use_opd")
     if ck.opd_teacher_load is None:
         fail("checkpoint.opd_teacher_load", "--opd-type megatron needs the teacher's Megatron checkpoint "
              "(--opd-teacher-load)", "algorithm.opd_type")
