@@ -235,6 +235,11 @@ class CheckpointConfig(_Section):
     save_hf: str | None = Field(None, description="also write HF weights here when saving")
     ref_ckpt_step: int | None = Field(None, ge=0, description="load iteration N of ref_load (default: its newest "
                                                               "committed checkpoint)")
+    opd_teacher_load: str | None = Field(None, description="on-policy distillation (opd_type megatron): the teacher's "
+                                                           "Megatron checkpoint (a committed one or a --save root), "
+                                                           "of the student's architecture and vocabulary")
+    opd_teacher_ckpt_step: int | None = Field(None, ge=0, description="load iteration N of opd_teacher_load (default: "
+                                                                      "its newest committed checkpoint)")
     no_save_optim: bool = Field(False, description="save the model only: no optimizer, scheduler or RNG state "
                                                    "(such a checkpoint cannot resume training)")
     no_load_optim: bool = Field(False, description="Megatron's --no-load-optim: start from the full checkpoint `load` "
@@ -391,6 +396,12 @@ class AlgorithmConfig(_Section):
     disable_compute_advantages_and_returns: bool = Field(
         False, description="no reference/old log-prob passes and no advantage estimator: advantages come with the "
                            "samples (metadata['advantage']), the ratio's denominator is the step's own log-probs")
+    use_opd: bool = Field(False, description="on-policy distillation: advantages -= opd_kl_coef * (student - "
+                                             "teacher log-prob) per response token (docs/rl.md)")
+    opd_type: Literal["megatron", "sglang"] | None = Field(
+        None, description="where the teacher's log-probs come from: megatron (a frozen teacher model in the train "
+                          "ranks, checkpoint.opd_teacher_load); sglang is refused here (docs/rl.md)")
+    opd_kl_coef: float = Field(1.0, description="weight of the OPD reverse-KL penalty on the advantages")
 
 
 class TrainConfig(_Section):
@@ -1118,7 +1129,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # inputs a stage reads (model, tokenizer, data, eval files, the kit); the pre-flight checks that they exist
-INPUT_PATH_FIELDS = ("checkpoint.hf_checkpoint", "checkpoint.ref_load", "checkpoint.load", "data.prompt_data",
+INPUT_PATH_FIELDS = ("checkpoint.hf_checkpoint", "checkpoint.ref_load", "checkpoint.opd_teacher_load",
+                     "checkpoint.load", "data.prompt_data",
                      "sft.sft_data", "rejection_sampling.rs_prompt_data", "rejection_sampling.rs_policy",
                      "eval.eval_prompt_data", "eval.eval_config", "export.origin_hf_dir", "kit.kit_recipe",
                      "kit.kit_dir", "lora.lora_adapter_path")
@@ -1336,6 +1348,30 @@ def _check_share_gpu(config: Config, fail: Any) -> None:
              f"rollout_gpu_fraction {rollout:g}", "cluster.rollout_gpu_fraction")
 
 
+def _check_opd(config: Config, fail: Any) -> None:
+    """On-policy distillation, as slime validates it (opd_type required; a Megatron teacher needs
+    opd_teacher_load, which means nothing without use_opd), plus what is not built here."""
+    a, ck = config.algorithm, config.checkpoint
+    if not a.use_opd:
+        if ck.opd_teacher_load is not None:
+            fail("checkpoint.opd_teacher_load", "is set but use_opd is not: add --use-opd (and --opd-type megatron)",
+                 "algorithm.use_opd")
+        return
+    if a.opd_type is None:
+        fail("algorithm.opd_type", "--use-opd needs --opd-type: megatron (a teacher checkpoint in the train ranks, "
+             "--opd-teacher-load)", "algorithm.use_opd")
+    if a.opd_type == "sglang":
+        fail("algorithm.opd_type", "sglang is not built here (slime fills sample.teacher_log_probs from a teacher "
+             "engine in its --custom-reward-post-process-path hook, which this project does not run); use --opd-type "
+             "megatron with the teacher's Megatron checkpoint as --opd-teacher-load", "algorithm.use_opd")
+    if ck.opd_teacher_load is None:
+        fail("checkpoint.opd_teacher_load", "--opd-type megatron needs the teacher's Megatron checkpoint "
+             "(--opd-teacher-load)", "algorithm.opd_type")
+    if config.lora.enabled:
+        fail("algorithm.use_opd", "a Megatron OPD teacher next to LoRA adapters is not built here: train without "
+             "LoRA, or merge the adapters first", "lora.lora_rank")
+
+
 def _validate(config: Config, where: dict[str, str]) -> None:
     """Checks that span fields; each message names the fields and where they were set."""
 
@@ -1470,9 +1506,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
     if a.ref_update_interval and not (a.use_kl_loss or a.kl_coef):
         fail("algorithm.ref_update_interval", "there is no reference model to update: it is built for use_kl_loss "
              "or kl_coef")
+    _check_opd(config, fail)
     if a.disable_compute_advantages_and_returns:
         given = [n for n in ("use_kl_loss", "kl_coef", "custom_advantage_function_path", "normalize_advantages",
-                             "keep_old_actor")
+                             "keep_old_actor", "use_opd")
                  if getattr(a if n != "custom_advantage_function_path" else t, n)]
         if given:
             fail("algorithm.disable_compute_advantages_and_returns", f"{given[0]} needs the reference/old log-prob "

@@ -63,7 +63,6 @@ def source_commit() -> str:
 
 
 _NO_MOE = "MoE routing replay is not built here (no MoE model support)"
-_NO_OPD = "on-policy distillation (a teacher's log-probs as reward) is not built here"
 
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
@@ -78,11 +77,6 @@ REFUSED: dict[str, str] = {
     "num_critic_only_steps": "critic-only warm-up steps are not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
-    "use_opd": _NO_OPD,
-    "opd_type": _NO_OPD,
-    "opd_kl_coef": _NO_OPD,
-    "opd_teacher_load": _NO_OPD,
-    "opd_teacher_ckpt_step": _NO_OPD,
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",

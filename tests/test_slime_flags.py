@@ -46,6 +46,9 @@ COMPANIONS: dict[str, list[str]] = {
     "--disable-rollout-global-dataset": ["--rollout-function-path", "my.rollout"],
     "--ref-update-interval": ["--use-kl-loss"],
     "--load-debug-rollout-data-subsample": ["--load-debug-rollout-data", "runs/r/rollout/{rollout_id:06d}"],
+    "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "/tmp/teacher"],
+    "--opd-type": ["--use-opd", "--opd-teacher-load", "/tmp/teacher"],
+    "--opd-teacher-load": ["--use-opd", "--opd-type", "megatron"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {
@@ -55,6 +58,7 @@ VALUES: dict[str, list[str]] = {
     "--apply-chat-template-kwargs": ['{"enable_thinking": false}'],
     "--ci-train-rollout-logprob-abs-diff-threshold": ["0.05"],
     "--rollout-external-engine-addrs": ["127.0.0.1:30000", "http://10.0.0.2:30001"],
+    "--opd-type": ["megatron"],  # sglang is refused (test_opd_flags_are_validated_as_slime_does)
 }
 
 
@@ -111,11 +115,12 @@ def test_refused_flag_fails_naming_flag_and_reason(flag):
 
 def test_refused_flag_in_yaml_names_the_reason(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  use_opd: true\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.use_opd'.*on-policy distillation"):
+    path.write_text("rollout:\n  use_routing_replay: true\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.use_routing_replay'.*MoE routing replay"):
         load_config(path)
-    path.write_text("megatron:\n  use_opd: true\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: megatron.use_opd: slime's --use-opd is not supported"):
+    path.write_text("megatron:\n  use_routing_replay: true\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: megatron.use_routing_replay: slime's --use-routing-replay is "
+                                          "not supported"):
         load_config(path)
 
 
@@ -213,6 +218,32 @@ def test_update_weight_transport_picks_the_sync_mode():
     assert load_config(None, ["--update-weight-transport", "nccl"]).sync.weight_sync_mode == "distributed"
     with pytest.raises(ConfigError, match="means weight_sync_mode distributed"):
         load_config(None, ["--update-weight-transport", "nccl", "--weight-sync-mode", "disk"])
+
+
+def test_opd_flags_fill_the_typed_fields():
+    config = load_config(None, ["--use-opd", "--opd-type", "megatron", "--opd-kl-coef", "0.25", "--opd-teacher-load",
+                                "/ckpt/teacher", "--opd-teacher-ckpt-step", "3"])
+    a, ck = config.algorithm, config.checkpoint
+    assert (a.use_opd, a.opd_type, a.opd_kl_coef) == (True, "megatron", 0.25)
+    assert (ck.opd_teacher_load, ck.opd_teacher_ckpt_step) == ("/ckpt/teacher", 3)
+    plain = load_config(None, [])
+    assert (plain.algorithm.use_opd, plain.algorithm.opd_type, plain.algorithm.opd_kl_coef) == (False, None, 1.0)
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (["--use-opd"], "algorithm.opd_type: --use-opd needs --opd-type"),
+    (["--use-opd", "--opd-type", "megatron"], "checkpoint.opd_teacher_load: --opd-type megatron needs the teacher"),
+    (["--opd-teacher-load", "/t"], "checkpoint.opd_teacher_load: is set but use_opd is not"),
+    (["--use-opd", "--opd-type", "sglang"], "algorithm.opd_type: sglang .* not built here.*--opd-type megatron"),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--lora-rank", "8"],
+     "algorithm.use_opd: a Megatron OPD teacher next to LoRA adapters is not built here"),
+    (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--disable-compute-advantages-and-returns"],
+     "use_opd needs the reference/old log-prob passes"),
+    (["--use-opd", "--opd-type", "teacher", "--opd-teacher-load", "/t"], "opd_type"),
+])
+def test_opd_flags_are_validated_as_slime_does(args, reason):
+    with pytest.raises(ConfigError, match=reason):
+        load_config(None, args)
 
 
 @pytest.mark.parametrize(("args", "reason"), [

@@ -362,7 +362,7 @@ def _check_staged_checkpoints(config: Any, placement: Placement, node_staging: b
                              f"({placement.driver_node_ip}, {root}), but engines run on {engines_away} and read it "
                              "there: give --hf-checkpoint as a directory every engine node has (a local copy or a "
                              "shared file system)")
-    staged = [p for p in (ck.save, ck.load, ck.ref_load, ck.hf_checkpoint) if is_staged(p)]
+    staged = [p for p in (ck.save, ck.load, ck.ref_load, ck.opd_teacher_load, ck.hf_checkpoint) if is_staged(p)]
     away = sorted({placement.bundles[b].node_ip for b in placement.plan.train_bundles} - {placement.driver_node_ip})
     if not staged or not away:
         return

@@ -10,7 +10,9 @@ Per rollout (`train`), each rank:
    skipped when `can_reuse_log_probs` holds, as slime's can_reuse_log_probs_in_loss: the one step's loss
    uses its own forward's log-probs, detached, and reports the rollout metrics that read them), the
    reference log-probs when KL is used (`use_kl_loss` or `kl_coef`; the reference is a second, frozen
-   model), then advantages (`compute_advantages`, `whiten_over_dp` with `normalize_advantages`);
+   model), the OPD teacher's log-probs with `use_opd` (a third, frozen model from `opd_teacher_load`), then
+   advantages (`compute_advantages`; with OPD minus opd_kl_coef * (student - teacher log-prob) per token,
+   `slime.algorithms.opd`; `whiten_over_dp` with `normalize_advantages`);
 4. runs `train_step` per step and returns the mean of the steps' global metrics with slime's names.
 
 Weights at `init`: the newest committed checkpoint under `save` (a resume: full training state, next
@@ -61,12 +63,12 @@ def total_train_steps(config: Config) -> int | None:
 def can_reuse_log_probs(config: Config, steps: int, hooks: Any) -> bool:
     """Whether the old-log-prob pass can be skipped: slime's can_reuse_log_probs_in_loss (one optimizer step per
     rollout, so the old policy is the one the loss runs; policy loss; no kl_coef, rollout log-probs as old,
-    mismatch metrics, critic, old actor or GSPO), plus what reads old log-probs before the step here: the
+    mismatch metrics, critic, old actor, OPD or GSPO), plus what reads old log-probs before the step here: the
     advantage and rollout-data-postprocess hooks and --log-correct-samples (per-sample log-probs)."""
     a = config.algorithm
     return (steps == 1 and a.loss_type == "policy_loss" and a.kl_coef == 0 and not a.use_rollout_logprobs
             and not a.get_mismatch_metrics and not a.keep_old_actor and a.advantage_estimator not in ("gspo", "ppo")
-            and not config.run.log_correct_samples and hooks.advantage is None
+            and not a.use_opd and not config.run.log_correct_samples and hooks.advantage is None
             and hooks.rollout_data_postprocess is None)
 
 
@@ -205,6 +207,7 @@ class TrainActor:
         self.node_staging: Any = None
         self.models: list[Any] = []
         self.ref_models: list[Any] | None = None
+        self.teacher_models: list[Any] | None = None  # --use-opd --opd-type megatron: the frozen teacher
         self.loaded_extra_state: dict[str, Any] = {}
         self.offloaded = False
         self.parking: Any = None  # slime.offload.HostParking: the optimizer state's pinned twins (colocated offload)
@@ -288,6 +291,9 @@ class TrainActor:
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
+        if c.algorithm.use_opd:  # opd_type megatron (config refuses the rest): the teacher, frozen like the reference
+            self.teacher_models = build_model(self.bridge)
+            self._load_teacher()
         if c.algorithm.keep_old_actor:  # slime: the old actor starts as the loaded policy
             self.old_weights = snapshot(self.models)
             if c.sync.update_weights_interval == 1:
@@ -384,6 +390,35 @@ class TrainActor:
             self.bridge.load_weights(self.ref_models, ck.hf_checkpoint)
         for model in self.ref_models:
             model.eval()
+
+    def _load_teacher(self) -> None:
+        """The on-policy distillation teacher: `opd_teacher_load` (its iteration `opd_teacher_ckpt_step` when set),
+        loaded into a model of the student's architecture, as slime loads it into the student's Megatron model.
+        A checkpoint of another architecture or vocabulary is refused: OPD compares the two models' log-probs
+        of the same token ids."""
+        from slime.backends.megatron.checkpoint import (
+            CheckpointMismatchError,
+            load_model_checkpoint,
+            read_checkpoint_manifest,
+        )
+        from slime.stages.export import teacher_checkpoint
+
+        path = teacher_checkpoint(self.config.checkpoint)
+        hf = read_checkpoint_manifest(path).metadata.get("hf_config") or {}
+        student_vocab = self.bridge.hf_config.vocab_size
+        if hf.get("vocab_size") not in (None, student_vocab):
+            raise ConfigError(f"checkpoint.opd_teacher_load {path}: the teacher's vocabulary has {hf['vocab_size']} "
+                              f"tokens, the student's {student_vocab}: a Megatron OPD teacher must share the "
+                              "student's tokenizer and architecture")
+        try:
+            load_model_checkpoint(self.teacher_models, path)
+        except CheckpointMismatchError as exc:
+            raise ConfigError(f"checkpoint.opd_teacher_load: a Megatron OPD teacher is loaded into a model of the "
+                              f"student's architecture (as slime does), and this one differs: {exc}") from exc
+        for model in self.teacher_models:  # scored under no_grad, never stepped: frozen, as offload parks it
+            model.eval()
+            model.requires_grad_(False)
+        logger.info("rank %d: OPD teacher from %s", self.rank, path)
 
     def extra_state(self) -> dict[str, Any]:
         """The `extra_state` of the checkpoint `init` resumed from ({} when it did not resume)."""
@@ -538,6 +573,7 @@ class TrainActor:
 
         from slime.algorithms.advantages import compute_advantages
         from slime.algorithms.kl import compute_approx_kl
+        from slime.algorithms.opd import apply_opd_kl
         from slime.backends.megatron.logprobs import compute_log_probs
         from slime.backends.megatron.step_data import TrainArrays, split_rows, stack_rows
         from slime.backends.megatron.whiten import whiten_over_dp
@@ -576,9 +612,15 @@ class TrainActor:
                 self.hooks.before_log_prob(c.as_namespace(), self.models, "ref_")
             with reference_adapters(self.models, self.lora_reference):
                 ref = compute_log_probs(self.models, mine, **batching).log_probs
+        teacher = None
+        if self.teacher_models:  # slime: the teacher's pass after the reference's, with the "teacher_" prefix
+            if self.hooks.before_log_prob is not None:
+                self.hooks.before_log_prob(c.as_namespace(), self.teacher_models, "teacher_")
+            teacher = compute_log_probs(self.teacher_models, mine, **batching).log_probs
         _, mask = stack_rows(mine)
-        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy
-        sums = torch.zeros(7, dtype=torch.float64)
+        # summed over ranks: |old - rollout| and its tokens, kl, log-probs, advantages, trained tokens, entropy,
+        # teacher log-probs, OPD reverse KL
+        sums = torch.zeros(9, dtype=torch.float64)
         sums[5] = float(mask.sum())
         if entropies is not None:  # --use-rollout-entropy
             sums[6] = float(stack_rows(mine, entropies)[0][mask].sum())
@@ -601,6 +643,8 @@ class TrainActor:
             hooks.rollout_data_postprocess else {}
         if data and entropies is not None:
             data["entropy"] = entropies
+        if data and teacher is not None:
+            data["teacher_log_probs"] = teacher
         if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
             hooks.advantage(c.as_namespace(), data)
             per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
@@ -610,6 +654,13 @@ class TrainActor:
             per_sample = split_rows(advantages, mine)
             if data:
                 data["returns"] = None if returns is None else split_rows(returns, mine)
+        if teacher is not None:  # slime: after the estimator (or the advantage hook), before whitening
+            per_sample, reverse_kl = apply_opd_kl(per_sample, self._student_log_probs(mine, old), teacher,
+                                                  a.opd_kl_coef)
+            sums[7] = float(stack_rows(mine, teacher)[0][mask].sum())
+            sums[8] = float(stack_rows(mine, reverse_kl)[0][mask].sum())
+            if data:
+                data["opd_reverse_kl"] = reverse_kl
         if hooks.rollout_data_postprocess is not None:  # slime: may rewrite advantages and loss masks
             data["advantages"] = per_sample
             hooks.rollout_data_postprocess(c.as_namespace(), rollout_id, data)
@@ -626,9 +677,25 @@ class TrainActor:
             sums[5], sums[3], sums[0], sums[1], kl=sums[2] if ref is not None else None,
             entropy=sums[6] if entropies is not None else None)
         stats["rollout/advantages"] = sums[4] / max(sums[5], 1.0)
+        if teacher is not None:  # slime's names; train/ as its loss reports it (the same detached values)
+            stats["rollout/teacher_log_probs"] = sums[7] / max(sums[5], 1.0)
+            stats["rollout/opd_reverse_kl"] = stats["train/opd_reverse_kl"] = sums[8] / max(sums[5], 1.0)
         if c.run.log_correct_samples:
             stats.update(self._correct_sample_stats(mine, old))
         return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+
+    def _student_log_probs(self, mine: list[Any], old: list[Any]) -> list[Any]:
+        """The student's log-probs OPD compares with the teacher's, as slime's: the engine's rollout log-probs with
+        --use-rollout-logprobs, else the old log-probs just computed."""
+        import torch
+
+        if not self.config.algorithm.use_rollout_logprobs:
+            return old
+        for sample in mine:
+            if sample.rollout_log_probs is None or len(sample.rollout_log_probs) != sample.response_length:
+                raise DataFormatError(f"sample {sample.index}: --use-opd with --use-rollout-logprobs needs the "
+                                      "engine's log-prob of every response token (rollout_log_probs)")
+        return [torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in mine]
 
     def _flops(self, length: int) -> float:
         """Estimated forward FLOPs of a sequence of `length` tokens under this model."""
@@ -741,13 +808,15 @@ class TrainActor:
 
     def frozen_slots(self) -> Any:
         """What `offload` moves besides the DDP buffers and the optimizer: each policy chunk's frozen
-        parameters and every tensor of the reference model (`ref_models`: no DDP, never trained)."""
+        parameters and every tensor of the reference and OPD teacher models (no DDP, never trained)."""
         from slime.offload import frozen_parameter_slots, module_slots
 
         for k, model in enumerate(self.models):
             yield from frozen_parameter_slots(model, prefix=f"frozen{k}.")
         for k, model in enumerate(self.ref_models or []):
             yield from module_slots(model, prefix=f"ref{k}.")
+        for k, model in enumerate(self.teacher_models or []):
+            yield from module_slots(model, prefix=f"teacher{k}.")
 
     def _optimizer_slots(self) -> Any:
         from slime.backends.megatron.optimizer import torch_optimizers

@@ -55,15 +55,26 @@ def reference_checkpoint(checkpoint: Any) -> str:
     """The checkpoint `checkpoint.ref_load` names (`checkpoint` a `CheckpointConfig`): its iteration
     `ref_ckpt_step` when set (a remote root stages that iteration, slime/storage/staging.py), else as
     `resolve_checkpoint`."""
+    return _iteration_checkpoint(checkpoint.ref_load, checkpoint.ref_ckpt_step, "ref_load", "ref_ckpt_step")
+
+
+def teacher_checkpoint(checkpoint: Any) -> str:
+    """The on-policy distillation teacher `checkpoint.opd_teacher_load` names: its iteration
+    `opd_teacher_ckpt_step` when set, else as `resolve_checkpoint` (as `reference_checkpoint`)."""
+    return _iteration_checkpoint(checkpoint.opd_teacher_load, checkpoint.opd_teacher_ckpt_step, "opd_teacher_load",
+                                 "opd_teacher_ckpt_step")
+
+
+def _iteration_checkpoint(root: str, step: int | None, root_field: str, step_field: str) -> str:
     from slime.backends.megatron.checkpoint import iteration_dir
     from slime.storage import is_committed
 
-    if checkpoint.ref_ckpt_step is None:
-        return resolve_checkpoint(checkpoint.ref_load)
-    path = iteration_dir(checkpoint.ref_load, checkpoint.ref_ckpt_step)
+    if step is None:
+        return resolve_checkpoint(root)
+    path = iteration_dir(root, step)
     if not is_committed(path):
-        raise NotCommittedError(f"checkpoint.ref_ckpt_step {checkpoint.ref_ckpt_step}: {path} is not a committed "
-                                "checkpoint (checkpoint.ref_load must be a --save root holding it)")
+        raise NotCommittedError(f"checkpoint.{step_field} {step}: {path} is not a committed "
+                                f"checkpoint (checkpoint.{root_field} must be a --save root holding it)")
     return path
 
 

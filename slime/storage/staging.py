@@ -3,8 +3,9 @@
 Megatron's torch_dist, safetensors, transformers and the engines all want local paths. `staged(config)`
 gives a stage a copy of its config in which every remote location of such a directory is a local one:
 
-* inputs (`checkpoint.load`, `checkpoint.ref_load`, an HF directory): the committed artifact (or, for a
-  `--save` root, its newest committed `iter_*`; for `ref_load` with `checkpoint.ref_ckpt_step`, that
+* inputs (`checkpoint.load`, `checkpoint.ref_load`, `checkpoint.opd_teacher_load`, an HF directory): the committed
+  artifact (or, for a `--save` root, its newest committed `iter_*`; for `ref_load` with `checkpoint.ref_ckpt_step`
+  or `opd_teacher_load` with `opd_teacher_ckpt_step`, that
   iteration, in a local root of the same layout) is downloaded into the staging directory, every file
   checked against the manifest's size and sha256, the manifest written last, so a half download is
   never taken for a copy;
@@ -41,10 +42,15 @@ from slime.storage.manifest import MANIFEST_NAME, FileEntry, hash_file, is_commi
 logger = logging.getLogger(__name__)
 
 _ITER = re.compile(r"^iter_(\d{7})$")
-INPUT_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.hf_checkpoint", "export.origin_hf_dir")
+INPUT_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.opd_teacher_load", "checkpoint.hf_checkpoint",
+                "export.origin_hf_dir")
+# an input checkpoint root -> the field that picks one of its iterations (else its newest committed one)
+STEP_FIELDS = {"checkpoint.ref_load": "checkpoint.ref_ckpt_step",
+               "checkpoint.opd_teacher_load": "checkpoint.opd_teacher_ckpt_step"}
 OUTPUT_FIELDS = ("checkpoint.save", "checkpoint.save_hf", "export.output_dir")
 # what a Megatron train rank reads or writes (slime/ray/train_actor.py): staged on its own node
-TRAIN_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.hf_checkpoint", "checkpoint.save")
+TRAIN_FIELDS = ("checkpoint.load", "checkpoint.ref_load", "checkpoint.opd_teacher_load", "checkpoint.hf_checkpoint",
+                "checkpoint.save")
 
 
 def is_remote(uri: str | None) -> bool:
@@ -220,9 +226,10 @@ def stage(config: Any, root: str, fields: tuple[str, ...] = INPUT_FIELDS + OUTPU
         uri = _get(config, dotted)
         if dotted not in fields or not is_remote(uri):
             continue
-        step = config.checkpoint.ref_ckpt_step if dotted == "checkpoint.ref_load" else None
-        if step is not None:  # that iteration of the root, staged as a root holding it (ref_ckpt_step still applies)
-            artifact, local, value = _iteration(uri, step, root, options)
+        step_field = STEP_FIELDS.get(dotted)
+        step = _get(config, step_field) if step_field else None
+        if step is not None:  # that iteration of the root, staged as a root holding it (the step still applies)
+            artifact, local, value = _iteration(uri, step, root, options, step_field, dotted)
         else:
             artifact = newest_committed(uri, options)
             if artifact is None:
@@ -248,14 +255,15 @@ def stage(config: Any, root: str, fields: tuple[str, ...] = INPUT_FIELDS + OUTPU
     return with_values(config, values), staging
 
 
-def _iteration(uri: str, step: int, root: str, options: dict[str, Any] | None) -> tuple[str, str, str]:
+def _iteration(uri: str, step: int, root: str, options: dict[str, Any] | None, step_field: str,
+               root_field: str) -> tuple[str, str, str]:
     """(the remote iteration `step` of the save root `uri`, its local copy, the local root holding it) for
-    `checkpoint.ref_ckpt_step`; a clear error when the store has not committed that iteration."""
+    `step_field` (e.g. `checkpoint.ref_ckpt_step`); a clear error when the store has not committed it."""
     name = f"iter_{step:07d}"
     artifact = join_uri(uri, name)
     if not is_committed(artifact, options):
-        raise NotCommittedError(f"checkpoint.ref_ckpt_step {step}: {artifact} is not a committed checkpoint "
-                                "(checkpoint.ref_load must be a --save root holding it)")
+        raise NotCommittedError(f"{step_field} {step}: {artifact} is not a committed checkpoint "
+                                f"({root_field} must be a --save root holding it)")
     value = local_path(root, uri)
     return artifact, os.path.join(value, name), value
 

@@ -61,6 +61,28 @@ def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
         reference_checkpoint(config.checkpoint)
 
 
+def test_opd_teacher_ckpt_step_picks_that_iteration_of_opd_teacher_load(tmp_path):
+    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.errors import NotCommittedError
+    from slime.stages.export import teacher_checkpoint
+    from slime.storage import commit_directory
+
+    teacher = str(tmp_path / "teacher")
+    for step in (2, 4):
+        path = iteration_dir(teacher, step)
+        Path(path).mkdir(parents=True)
+        (Path(path) / "weights").write_text(str(step))
+        commit_directory(path, "checkpoint")
+    config = Config.model_validate({"checkpoint": {"opd_teacher_load": teacher, "ref_ckpt_step": 2}})
+    assert teacher_checkpoint(config.checkpoint) == iteration_dir(teacher, 4)  # newest; ref_ckpt_step is the ref's
+    config.checkpoint.opd_teacher_ckpt_step = 2
+    assert teacher_checkpoint(config.checkpoint) == iteration_dir(teacher, 2)
+    config.checkpoint.opd_teacher_ckpt_step = 3
+    with pytest.raises(NotCommittedError, match="checkpoint.opd_teacher_ckpt_step 3: .* is not a committed checkpoint "
+                                                r"\(checkpoint.opd_teacher_load must"):
+        teacher_checkpoint(config.checkpoint)
+
+
 def test_balance_data_evens_the_ranks_workloads():
     from slime.ray.train_actor import rank_share
 

@@ -140,3 +140,31 @@ def test_ref_ckpt_step_stages_that_iteration_of_a_remote_ref_load(tmp_path, monk
     with pytest.raises(NotCommittedError, match=f"checkpoint.ref_ckpt_step 5: {remote}/iter_0000005 is not a "
                                                 "committed checkpoint"), staged(missing):
         pass
+
+
+def test_opd_teacher_load_is_staged_like_ref_load(tmp_path, monkeypatch):
+    """A remote `checkpoint.opd_teacher_load` root with `opd_teacher_ckpt_step`: the driver and a train rank's node
+    stage that iteration, and the rank's teacher resolves to its copy; an uncommitted step is refused by name."""
+    from slime.stages.export import teacher_checkpoint
+    from slime.storage.staging import staged
+
+    remote = "memory://opd-step/rl/checkpoint"
+    for step in (1, 2):
+        upload(committed_dir(tmp_path / f"it{step}", str(step).encode() * 10), f"{remote}/iter_{step:07d}")
+    config = Config.model_validate({"run": {"staging_dir": str(tmp_path / "driver")},
+                                    "algorithm": {"use_opd": True, "opd_type": "megatron"},
+                                    "checkpoint": {"opd_teacher_load": remote, "opd_teacher_ckpt_step": 1}})
+    with staged(config) as (local, staging):
+        path = teacher_checkpoint(local.checkpoint)
+        assert Path(path, "model", "shard.distcp").read_bytes() == b"1" * 10
+        assert staging.to_remote(path) == f"{remote}/iter_0000001"
+        monkeypatch.setenv(NODE_STAGING_ENV, str(tmp_path / "node-b"))
+        node, _ = stage_on_node(local, dict(staging.fields))
+        node_path = teacher_checkpoint(node.checkpoint)
+        assert node_path.startswith(str(tmp_path / "node-b"))
+        assert Path(node_path, "model", "shard.distcp").read_bytes() == b"1" * 10
+    missing = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        update={"opd_teacher_ckpt_step": 5})})
+    with pytest.raises(NotCommittedError, match=f"checkpoint.opd_teacher_ckpt_step 5: {remote}/iter_0000005 is not a "
+                                                "committed checkpoint"), staged(missing):
+        pass
