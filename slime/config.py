@@ -339,7 +339,9 @@ class RewardConfig(_Section):
     grading_processes: int | None = Field(
         None, ge=1, description="child processes that grade sympy/math-verify answers in parallel, each call with "
                                 "its time limit (None: half the CPU cores, at most 8)")
-    custom_reward_post_process_path: str | None = None
+    custom_reward_post_process_path: str | None = Field(None, description="fn(args, samples) -> (raw_rewards, "
+                                                          "rewards) instead of the group normalisation "
+                                                          "(slime/backends/megatron/hooks.py)")
     custom_convert_samples_to_train_data_path: str | None = Field(
         None, description="fn(args, samples) -> slime's train_data dict (rewards, loss_masks, ...): replaces the "
                           "trainer's reward normalisation and loss masks (slime/ray/train_actor.py)")

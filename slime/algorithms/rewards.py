@@ -18,11 +18,15 @@ Which estimator normalises how (slime ``RolloutManager._post_process_rewards`` i
 
 Departure: when N is not a multiple of ``group_size`` slime treats the whole batch as one group;
 here that is an error, since it almost always means the groups were assembled wrongly.
+
+``--custom-reward-post-process-path`` replaces all of this, as in slime: ``fn(args, samples)`` returns
+``(raw_rewards, rewards)`` for the batch (``custom_rewards``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,3 +95,23 @@ def normalize_group_rewards(
     if divide_std and group_size > 1:
         grouped = grouped / (grouped.std(dim=-1, keepdim=True) + eps)
     return grouped.reshape(-1)
+
+
+def custom_rewards(fn: Callable[[Any, list[Any]], Any], args: Any, samples: list[Any],
+                   where: str) -> tuple[list[float], list[float]]:
+    """slime's ``--custom-reward-post-process-path``: ``fn(args, samples)`` -> ``(raw_rewards, rewards)``, one
+    number each per sample, in place of the estimator's group normalisation. A result of another shape raises
+    ValueError naming ``where`` (the plugin's path) and what came back."""
+    out = fn(args, samples)
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise ValueError(f"{where} must return (raw_rewards, rewards), got {type(out).__name__}")
+    pair: list[list[float]] = []
+    for name, values in zip(("raw_rewards", "rewards"), out, strict=True):
+        if not isinstance(values, Sequence | torch.Tensor) or len(values) != len(samples):
+            size = len(values) if isinstance(values, Sequence | torch.Tensor) else type(values).__name__
+            raise ValueError(f"{where} returned {name} of {size} for {len(samples)} samples: one number per sample")
+        try:
+            pair.append([float(v) for v in values])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where} returned {name} that are not numbers: {exc}") from None
+    return pair[0], pair[1]

@@ -548,7 +548,7 @@ class TrainActor:
         """(raw, group-normalised) scalar rewards of the whole batch (every rank computes the same)."""
         import torch
 
-        from slime.algorithms.rewards import group_normalization_for, normalize_group_rewards
+        from slime.algorithms.rewards import custom_rewards, group_normalization_for, normalize_group_rewards
 
         c = self.config
         n = c.rollout.n_samples_per_prompt
@@ -560,6 +560,12 @@ class TrainActor:
                 raise DataFormatError(f"{uri}: samples {g}..{g + n - 1} are not one group (group_index differs); "
                                       "the rollout must store groups contiguously")
         args = c.as_namespace()
+        if self.hooks.reward_post_process is not None:  # slime: the plugin's (raw, normalised) rewards
+            try:
+                return custom_rewards(self.hooks.reward_post_process, args, samples,
+                                      f"--custom-reward-post-process-path {c.reward.custom_reward_post_process_path}")
+            except ValueError as exc:
+                raise DataFormatError(f"{uri}: {exc}") from None
         raw = torch.tensor([float(s.get_reward_value(args)) for s in samples], dtype=torch.float32)
         how = group_normalization_for(c.algorithm.advantage_estimator, n,
                                       disable_rewards_normalization=c.algorithm.disable_rewards_normalization,

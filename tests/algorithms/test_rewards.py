@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from slime.algorithms.rewards import GroupNormalization, group_normalization_for, normalize_group_rewards
+from slime.algorithms.rewards import (
+    GroupNormalization,
+    custom_rewards,
+    group_normalization_for,
+    normalize_group_rewards,
+)
 
 # Two groups of 3: [1, 0, 0] and [2, 2, 2].
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
@@ -81,3 +86,21 @@ def test_table_turns_std_off_for_group_size_one():
 def test_table_rejects_unknown_estimator():
     with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
         group_normalization_for("dapo", 8)
+
+
+def test_custom_reward_post_process_replaces_the_normalisation_and_its_result_is_checked():
+    samples = ["a", "b", "c"]
+    seen = []
+
+    def rank_rewards(args, batch):  # slime's signature: (args, samples) -> (raw_rewards, rewards)
+        seen.append((args, list(batch)))
+        return [1, 0, 1], torch.tensor([0.5, -1.0, 0.5])
+
+    assert custom_rewards(rank_rewards, "args", samples, "mod.fn") == ([1.0, 0.0, 1.0], [0.5, -1.0, 0.5])
+    assert seen == [("args", samples)]
+    with pytest.raises(ValueError, match=r"mod.fn must return \(raw_rewards, rewards\), got list"):
+        custom_rewards(lambda a, s: [1.0, 2.0, 3.0], None, samples, "mod.fn")
+    with pytest.raises(ValueError, match="mod.fn returned rewards of 2 for 3 samples"):
+        custom_rewards(lambda a, s: ([1, 2, 3], [1, 2]), None, samples, "mod.fn")
+    with pytest.raises(ValueError, match="mod.fn returned raw_rewards that are not numbers"):
+        custom_rewards(lambda a, s: (["x", 2, 3], [1, 2, 3]), None, samples, "mod.fn")

@@ -8,6 +8,7 @@ starts (so a typo fails before any step):
 | `--custom-megatron-before-train-step-hook-path` | `hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)` | before each optimizer step of a rollout (`step_id` from 0) |
 | `--custom-advantage-function-path` | `fn(args, rollout_data)`, sets `rollout_data["advantages"]` and `["returns"]` | instead of the built-in estimator (whitening with `--normalize-advantages` still follows) |
 | `--rollout-data-postprocess-path` | `fn(args, rollout_id, rollout_data)` | after the advantages; changes to `advantages` and `loss_masks` are trained on |
+| `--custom-reward-post-process-path` | `fn(args, samples)` -> `(raw_rewards, rewards)` | instead of the group normalisation of the whole batch's rewards (every rank calls it on the same samples) |
 
 `rollout_data` holds this rank's samples as slime's lists, one entry per sample, response-aligned:
 `rewards` (group-normalised), `raw_reward`, `log_probs` (the trainer's old log-probs), `ref_log_probs`
@@ -31,6 +32,7 @@ BEFORE_LOG_PROB_PARAMS = ["args", "model", "store_prefix"]
 BEFORE_TRAIN_STEP_PARAMS = ["args", "rollout_id", "step_id", "model", "optimizer", "opt_param_scheduler"]
 ADVANTAGE_PARAMS = ["args", "rollout_data"]
 POSTPROCESS_PARAMS = ["args", "rollout_id", "rollout_data"]
+REWARD_POST_PROCESS_PARAMS = ["args", "samples"]
 
 
 @dataclass
@@ -42,6 +44,7 @@ class MegatronHooks:
     before_train_step: Callable[..., Any] | None = None
     advantage: Callable[..., Any] | None = None
     rollout_data_postprocess: Callable[..., Any] | None = None
+    reward_post_process: Callable[..., Any] | None = None
 
 
 def load_megatron_hooks(args: Any) -> MegatronHooks:
@@ -55,4 +58,6 @@ def load_megatron_hooks(args: Any) -> MegatronHooks:
         advantage=load_plugin_field(args, "custom_advantage_function_path", ADVANTAGE_PARAMS, is_async=False),
         rollout_data_postprocess=load_plugin_field(args, "rollout_data_postprocess_path", POSTPROCESS_PARAMS,
                                                    is_async=False),
+        reward_post_process=load_plugin_field(args, "custom_reward_post_process_path", REWARD_POST_PROCESS_PARAMS,
+                                              is_async=False),
     )

@@ -44,3 +44,9 @@ def test_keep_old_actor_scores_with_the_synced_weights(tiny_kit, tmp_path):
     # rollouts 0 and 1: no sync yet, the old actor is the loaded policy although rollout 0 trained the actor;
     # after the sync that follows rollout 1 it is the trained actor
     assert r0 == r1 and r2 != r0, rows
+
+
+def test_a_reward_post_process_plugin_replaces_the_group_normalisation(tiny_kit, tmp_path):
+    row = run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "reward-post-process", timeout=600)[0]
+    # GRPO's advantage is the normalised reward on every token: the plugin's 1.0 (its own centring would give 0)
+    assert row["advantages"] == 1.0, row

@@ -3,6 +3,7 @@
     python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR trainer      # flags of the train pass
     python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR no-advantages
     python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR old-actor
+    python tests/backends/megatron/train_actor_flags.py MODEL_DIR WORK_DIR reward-post-process
 
 `trainer`: --ref-update-interval 2 (with a KL reference), --use-stateless-adam, --log-correct-samples,
 --data-pad-size-multiplier 16, --log-probs-chunk-size 2 and the torch profiler on train_actor and
@@ -11,7 +12,8 @@ over three rollouts; one JSON row per rollout (KL to the reference, Adam's large
 for the chunked log-prob pass, one listing the trace files. `no-advantages`: one rollout with
 --disable-compute-advantages-and-returns, whose samples carry their advantages, and --padded-vocab-size 512. `old-actor`:
 --keep-old-actor with update_weights_interval 2 over three rollouts of the same samples, the weights synced
-(as far as the rank knows: `keep_old_weights_after_sync`) after the second.
+(as far as the rank knows: `keep_old_weights_after_sync`) after the second. `reward-post-process`:
+--custom-reward-post-process-path (`ones` below) in place of GRPO's group normalisation.
 """
 
 import json
@@ -117,6 +119,26 @@ def no_advantages(model_dir: str, work: Path) -> None:
                       "has_log_probs": "rollout/log_probs" in m, "grad_norm": m["train/grad_norm"]}), flush=True)
 
 
+def ones(args, samples):
+    """--custom-reward-post-process-path (slime's signature): the raw rewards kept, every normalised reward 1."""
+    return [s.reward for s in samples], [1.0] * len(samples)
+
+
+def reward_post_process(model_dir: str, work: Path) -> None:
+    config = Config.model_validate({
+        "run": {"store": str(work), "run_id": "rpp"},
+        "checkpoint": {"hf_checkpoint": model_dir},
+        "rollout": {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "num_rollout": 1},
+        "reward": {"custom_reward_post_process_path": "train_actor_flags.ones"},
+        "train": {"global_batch_size": 16, "micro_batch_size": 8, "lr": 1e-4}})
+    actor = TrainActor(config.model_dump(mode="json"), 0, 1)
+    actor.init(f"tcp://127.0.0.1:{free_port()}")
+    uri = str(work / "rollout-rpp")
+    rollout(uri, 4, 4)  # rewards 0/1 inside each group: GRPO's own normalisation would centre them on 0
+    m = actor.train(0, uri)
+    print(json.dumps({"case": "reward post-process", "advantages": m["rollout/advantages"]}), flush=True)
+
+
 def old_actor(model_dir: str, work: Path) -> None:
     config = Config.model_validate({
         "run": {"store": str(work), "run_id": "old"},
@@ -137,4 +159,5 @@ def old_actor(model_dir: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"trainer": trainer, "no-advantages": no_advantages, "old-actor": old_actor}[sys.argv[3]](sys.argv[1], Path(sys.argv[2]))
+    {"trainer": trainer, "no-advantages": no_advantages, "old-actor": old_actor,
+     "reward-post-process": reward_post_process}[sys.argv[3]](sys.argv[1], Path(sys.argv[2]))
