@@ -1385,6 +1385,11 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         raise ConfigError(f"{source}: {field}: {message}{also}")
 
     r, a, t = config.rollout, config.algorithm, config.train
+    if a.loss_type == "custom_loss":  # refused here, not at the first train step after the engines started
+        fail("algorithm.loss_type", "custom_loss (slime's --custom-loss-function-path, called with Megatron's "
+             "batch and logits) is not supported by the Megatron train step here; use policy_loss or sft_loss, "
+             "and reshape the training signal with --custom-advantage-function-path or "
+             "--rollout-data-postprocess-path (docs/megatron.md)", "algorithm.custom_loss_function_path")
     if r.rollout_batch_size and t.global_batch_size:
         samples = r.rollout_batch_size * r.n_samples_per_prompt
         if samples % t.global_batch_size:

@@ -308,3 +308,10 @@ def test_share_gpu_fractions_and_what_they_imply():
 def test_share_gpu_refuses_what_one_gpu_cannot_hold(argv, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, argv)
+
+
+def test_custom_loss_is_refused_when_the_config_is_read_naming_what_to_use():
+    with pytest.raises(ConfigError, match=r"--loss-type: algorithm.loss_type: custom_loss .* use policy_loss or "
+                                          r"sft_loss.*custom_loss_function_path set at --custom-loss-function-path"):
+        load_config(None, ["--loss-type", "custom_loss", "--custom-loss-function-path", "plugins.my_loss"])
+    assert load_config(None, ["--loss-type", "sft_loss"]).algorithm.loss_type == "sft_loss"
