@@ -230,7 +230,8 @@ def load_prompts(
             if not isinstance(prompt, str):
                 raise ConfigError(
                     f"{where}: max_prompt_len needs text prompts but this one is a message list; "
-                    "set apply_chat_template=True so its length can be measured on the templated text"
+                    "set apply_chat_template=True so its length can be measured on the templated text "
+                    "(rollout_max_prompt_len defaults to rollout_max_context_len - 1 when a context length is set)"
                 )
             if len(tokenizer.encode(prompt, add_special_tokens=False)) > max_prompt_len:
                 dropped += 1
