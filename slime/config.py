@@ -42,7 +42,16 @@ from pydantic import (
 )
 
 from slime.errors import ConfigError
-from slime.megatron_flags import NEGATED, negated_options
+from slime.megatron_flags import (
+    LAUNCH,
+    LAUNCH_ACCEPTED,
+    NEGATED,
+    launch_flag_table_markdown,
+    launch_problems,
+    negated_options,
+    no_effect_notes,
+    renamed_options,
+)
 from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
 
 logger = logging.getLogger(__name__)
@@ -786,8 +795,9 @@ class Config(BaseModel):
     @field_validator("megatron", mode="before")
     @classmethod
     def _negated_flags(cls, value: Any) -> Any:
-        """Megatron-LM's `--no-rope-fusion` & co. become the megatron-core field they set False (megatron_flags)."""
-        return negated_options(value) if isinstance(value, dict) else value
+        """Megatron-LM's `--no-rope-fusion` & co. become the megatron-core field they set False, and its other
+        names of megatron-core fields (`--decoder-first-pipeline-num-layers`) that field (megatron_flags)."""
+        return negated_options(renamed_options(value)) if isinstance(value, dict) else value
 
     def source(self, dotted: str) -> str | None:
         """Where `section.field` was set (YAML file and line, or the CLI flag); None for a default."""
@@ -894,9 +904,12 @@ def reference_markdown() -> str:
         "`DistributedDataParallelConfig` and the scheduler flags). `TransformerConfig`'s own fields "
         "(`--recompute-granularity`, dropouts, fusions) go into the model; its shape flags "
         "(`--num-layers`, ...) must equal the checkpoint's; Megatron-LM's `--no-rope-fusion` & co. set the "
-        "fusion they name off (`slime/megatron_flags.py`) |",
+        "fusion they name off; Megatron-LM's other launch flags of slime's scripts (`--accumulate-allreduce-grads-in-fp32`, "
+        "`--rotary-percent`, ...) are in the last table below (`slime/megatron_flags.py`) |",
         "",
         flag_table_markdown(),
+        "",
+        launch_flag_table_markdown(),
     ]
     return "\n".join(lines)
 
@@ -1121,7 +1134,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, where)) from None
-    for name, field in NEGATED.items():  # later messages about the field name the --no-X flag that set it
+    renamed = {name: flag.field for name, flag in LAUNCH.items() if flag.kind == "renamed"}
+    for name, field in {**NEGATED, **renamed}.items():  # later messages about the field name the flag that set it
         if f"megatron.{name}" in where and field in config.megatron:
             where.setdefault(f"megatron.{field}", where[f"megatron.{name}"])
     _validate(config, where)
@@ -1167,6 +1181,8 @@ def _log_mapped(config: Config, where: dict[str, str]) -> None:
         given = f"{FIELD_SECTION[name]}.{name}" in where
         if given or getattr(section, name) != type(section).model_fields[name].default:
             logger.info("--%s: %s", name.replace("_", "-"), how)
+    for flag, why in no_effect_notes(config.megatron).items():  # Megatron-LM launch flags without a knob here
+        logger.info("%s: accepted without effect here: %s", flag, why)
 
 
 def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -1203,9 +1219,9 @@ def read_megatron_role_config(path: str, role: str) -> tuple[dict[str, Any], dic
         if isinstance(value, str):
             value = _scalar(value)
         section = FIELD_SECTION.get(key)
-        if section is None and key not in megatron_flag_names() and key not in NEGATED:
+        if section is None and key not in megatron_flag_names() and key not in NEGATED and key not in LAUNCH:
             raise ConfigError(f"megatron_config_path {path}: {role} override {key!r} is neither a config field nor "
-                              f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names()])}")
+                              f"a Megatron flag{_suggest(key, [*FIELD_SECTION, *megatron_flag_names(), *LAUNCH])}")
         nested.setdefault(section or "megatron", {})[key] = value
         origin[f"{section or 'megatron'}.{key}"] = f"{path} ({role} overrides.{key})"
     return nested, origin
@@ -1599,11 +1615,13 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         name = typed[0]
         fail(f"megatron.{name}", f"{name} is a typed field: set it as {FIELD_SECTION[name]}.{name} "
              f"(--{name.replace('_', '-')}), not in the megatron pass-through section")
+    for field, why in launch_problems(config.megatron):  # Megatron-LM launch flags refused or mis-valued
+        fail(field, why)
     if config.megatron:
-        unknown = sorted(set(config.megatron) - megatron_flag_names())
+        unknown = sorted(set(config.megatron) - megatron_flag_names() - LAUNCH_ACCEPTED)
         if unknown:
             name = unknown[0]
-            hint = _suggest(name, [*FIELD_SECTION, *megatron_flag_names()])
+            hint = _suggest(name, [*FIELD_SECTION, *megatron_flag_names(), *LAUNCH])
             fail(f"megatron.{name}", f"unknown option --{name.replace('_', '-')}{hint.replace('_', '-')}")
 
 

@@ -45,6 +45,7 @@ from transformers import AutoConfig
 
 from slime.engines.process import find_free_port
 from slime.errors import ConfigError
+from slime.megatron_flags import checkpoint_mismatches
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,9 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     # mbridge turns sequence parallelism on for TP > 1; the local spec's torch norms refuse it, and the
     # train step's log-probs read full-sequence outputs
     defaults["sequence_parallel"] = False
+    for problem in checkpoint_mismatches(megatron or {}, config, bridge.config):  # --rotary-percent & co.
+        raise ConfigError(f"{problem}, in the checkpoint {hf_dir}: the model's shape comes from its HF config; drop "
+                          "the flag or fix it")
     for name in sorted(set(options) & set(ARCHITECTURE_FIELDS)):
         given, actual = options.pop(name), getattr(bridge.config, name, None)
         if given != actual:
