@@ -1021,6 +1021,8 @@ def _field_kind(section: str, name: str) -> str:
 
 
 _FLAG_ALIASES = {"async": "async_mode"}  # slime's spelling, not a Python identifier
+# slime's argparse.BooleanOptionalAction flags: `--no-offload-train` is slime's own spelling of false
+_NEGATABLE = frozenset({"offload_train", "offload_rollout"})
 
 
 def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -1046,6 +1048,14 @@ def parse_overrides(tokens: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
                 i += 1
         name = flag.replace("-", "_")
         name = _FLAG_ALIASES.get(name, name)
+        if name.startswith("no_") and name[3:] in _NEGATABLE:
+            if values:
+                raise ConfigError(f"{token} takes no value (slime's negated --{flag[3:]}); give --{flag[3:]} "
+                                  f"{' '.join(values)} instead")
+            name, section = name[3:], FIELD_SECTION[name[3:]]
+            nested.setdefault(section, {})[name] = False
+            origin[f"{section}.{name}"] = f"--{flag}"
+            continue
         for prefix in ("sglang", "router"):
             if name.startswith(prefix + "_") and name not in FIELD_SECTION:
                 key = name[len(prefix) + 1 :]

@@ -351,3 +351,16 @@ def test_padded_vocab_size_is_the_bridges_padding(tiny_kit):
     for bad in (["--padded-vocab-size", "300"], ["--padded-vocab-size", "513", "--tensor-model-parallel-size", "2"]):
         with pytest.raises(ConfigError, match="padded_vocab_size .* must be an integer >= the vocabulary"):
             vocab_padding(load_config(None, bad), model)
+
+
+def test_slimes_boolean_optional_flags_take_their_no_spelling():
+    """slime declares --offload-train / --offload-rollout with argparse.BooleanOptionalAction: its scripts may say
+    --no-offload-train. Every such flag of slime's table is negatable here, and the negation takes no value."""
+    from slime.config import _NEGATABLE
+
+    assert {f.name for f in slime_flags() if f.action == "BooleanOptionalAction"} == _NEGATABLE
+    for name in sorted(_NEGATABLE):
+        flag = "--no-" + name.replace("_", "-")
+        assert getattr(load_config(None, [flag]).cluster, name) is False
+        with pytest.raises(ConfigError, match=f"{flag} takes no value"):
+            load_config(None, [flag, "true"])
