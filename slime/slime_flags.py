@@ -108,6 +108,11 @@ MAPPED: dict[str, str] = {
                     "dump is written",
     "rollout_data_transport": "rollout data reaches the trainer as an Arrow shard set in the store, not through "
                               "Ray's object store",
+    "num_gpus_per_node": "the engines' and train ranks' GPUs come from Ray's placement groups over the GPUs each "
+                         "node reports (docs/ray.md), so a node with fewer than 8 GPUs needs no flag; the value has "
+                         "no effect",
+    "model_name": "the Megatron <-> HF weight converter is chosen by mbridge from the HF config's architecture "
+                  "(checkpoint.hf_checkpoint); the value has no effect",
 }
 
 _BUFFER_PLUGIN = ("slime's own code never reads it; its rollout-buffer example plugin does: the value reaches plugins "
