@@ -560,7 +560,7 @@ class TrainActor:
                 raise DataFormatError(f"{uri}: samples {g}..{g + n - 1} are not one group (group_index differs); "
                                       "the rollout must store groups contiguously")
         args = c.as_namespace()
-        if self.hooks.reward_post_process is not None:  # slime: the plugin's (raw, normalised) rewards
+        if self.hooks is not None and self.hooks.reward_post_process is not None:  # slime: the plugin's rewards
             try:
                 return custom_rewards(self.hooks.reward_post_process, args, samples,
                                       f"--custom-reward-post-process-path {c.reward.custom_reward_post_process_path}")
