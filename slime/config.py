@@ -1389,9 +1389,11 @@ def _check_opd(config: Config, fail: Any) -> None:
         fail("algorithm.opd_type", "--use-opd needs --opd-type: megatron (a teacher checkpoint in the train ranks, "
              "--opd-teacher-load)", "algorithm.use_opd")
     if a.opd_type == "sglang":
-        fail("algorithm.opd_type", "sglang is not built here (slime fills sample.teacher_log_probs from a teacher "
-             "engine in its --custom-reward-post-process-path hook, which this project does not run); use --opd-type "
-             "megatron with the teacher's Megatron checkpoint as --opd-teacher-load", "algorithm.use_opd")
+        fail("algorithm.opd_type", "sglang is not built here (slime's teacher engine behind --rm-url returns a dict "
+             "reward and its --custom-reward-post-process-path hook copies the teacher's log-probs into "
+             "sample.teacher_log_probs; the train ranks here take a teacher's log-probs only from a Megatron "
+             "teacher, and the rollout's reward metrics need a scalar reward); use --opd-type megatron with the "
+             "teacher's Megatron checkpoint as --opd-teacher-load", "algorithm.use_opd")
     if ck.opd_teacher_load is None:
         fail("checkpoint.opd_teacher_load", "--opd-type megatron needs the teacher's Megatron checkpoint "
              "(--opd-teacher-load)", "algorithm.opd_type")
