@@ -40,18 +40,25 @@ def test_each_step_is_split_round_robin_over_ranks():
         rank_share(samples, 2, 0, 2)
 
 
+def _save_root(root: str, steps: tuple[int, ...]) -> None:
+    """A --save root holding a committed (weightless) checkpoint of each of `steps`."""
+    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.storage import commit_directory
+
+    for step in steps:
+        path = iteration_dir(root, step)
+        Path(path).mkdir(parents=True)
+        (Path(path) / "weights").write_text(str(step))
+        commit_directory(path, "checkpoint")
+
+
 def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
     from slime.backends.megatron.checkpoint import iteration_dir
     from slime.errors import NotCommittedError
     from slime.stages.export import reference_checkpoint
-    from slime.storage import commit_directory
 
     ref = str(tmp_path / "ref")
-    for step in (3, 7):
-        path = iteration_dir(ref, step)
-        Path(path).mkdir(parents=True)
-        (Path(path) / "weights").write_text(str(step))
-        commit_directory(path, "checkpoint")
+    _save_root(ref, (3, 7))
     config = Config.model_validate({"checkpoint": {"ref_load": ref}})
     assert reference_checkpoint(config.checkpoint) == iteration_dir(ref, 7)  # newest
     config.checkpoint.ref_ckpt_step = 3
@@ -65,14 +72,9 @@ def test_opd_teacher_ckpt_step_picks_that_iteration_of_opd_teacher_load(tmp_path
     from slime.backends.megatron.checkpoint import iteration_dir
     from slime.errors import NotCommittedError
     from slime.stages.export import teacher_checkpoint
-    from slime.storage import commit_directory
 
     teacher = str(tmp_path / "teacher")
-    for step in (2, 4):
-        path = iteration_dir(teacher, step)
-        Path(path).mkdir(parents=True)
-        (Path(path) / "weights").write_text(str(step))
-        commit_directory(path, "checkpoint")
+    _save_root(teacher, (2, 4))
     config = Config.model_validate({"checkpoint": {"opd_teacher_load": teacher, "ref_ckpt_step": 2}})
     assert teacher_checkpoint(config.checkpoint) == iteration_dir(teacher, 4)  # newest; ref_ckpt_step is the ref's
     config.checkpoint.opd_teacher_ckpt_step = 2
