@@ -51,7 +51,7 @@ def negated_options(megatron: dict[str, Any]) -> dict[str, Any]:
     for name, value in megatron.items():
         if name not in NEGATED:
             continue
-        flag, field = f"--{name.replace('_', '-')}", NEGATED[name]
+        flag, field = _flag(name), NEGATED[name]
         if not isinstance(value, bool):
             raise ValueError(f"megatron.{name}: {flag} is a switch (Megatron-LM sets {field}=False); give it no "
                              f"value or true/false, not {value!r}")
