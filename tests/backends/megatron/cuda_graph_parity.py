@@ -16,6 +16,7 @@ import json
 import sys
 
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from slime.backends.megatron import cuda_graphs
 from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
@@ -72,7 +73,9 @@ def run(hf_dir: str, mode: str, megatron: dict) -> dict:
         train_step(models, optimizer, samples(vocab, 96, seed=1), settings, vocab_size=vocab)
     except ConfigError as exc:
         refused = str(exc)
-    layers = [m for m in models[0].modules() if hasattr(m, "cudagraph_manager")]
+    # TransformerBlock holds a manager too under cuda_graph_impl=local, used only for inference decode with
+    # cuda_graph_scope=full_iteration (never in training): count the transformer layers' managers
+    layers = [m for m in models[0].modules() if isinstance(m, TransformerLayer) and hasattr(m, "cudagraph_manager")]
     return {"losses": losses, "grad_norms": norms, "replays": replays, "logprob_replays": REPLAYS[0] - before,
             "log_probs": torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in logp]), "refused": refused,
             "graph_layers": len(layers), "enabled": cuda_graphs.enabled(models),

@@ -22,9 +22,10 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
     assert cycle["moved"] == 0.0
     # the KL reference model is parked whole with the rest; full fine-tuning freezes nothing
     assert cycle["ref_slots"] == cycle["ref_tensors"] > 0 and cycle["frozen_slots"] == cycle["frozen_params"] == 0
-    if device == "cuda":  # policy and reference off the GPU: what stays is small against their weights
+    if device == "cuda":  # policy and reference off the GPU: what stays is small against their weights, once
+        # what CUDA holds whatever the model (cuBLAS workspaces: 34 MB against this model's 4 MB) is set aside
         assert cycle["frozen_bytes"] > cycle["model_bytes"] / 3, cycle
-        assert cycle["gpu_bytes_offloaded"] < cycle["model_bytes"] / 10, cycle
+        assert cycle["gpu_bytes_offloaded"] - cycle["gpu_bytes_fixed"] < cycle["model_bytes"] / 10, cycle
     assert rows["step 0"]["lr"] == 0.0 and rows["step 0"]["moved"] == 0.0, rows  # warmup starts at lr 0
     assert 0.0 < rows["step 1"]["moved"] < rows["step 2"]["moved"] < 0.01, rows
     # started from that trained checkpoint, the KL reference is the policy it loaded (not hf_checkpoint's

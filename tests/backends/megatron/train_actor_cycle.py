@@ -63,7 +63,34 @@ def adam_steps(actor: TrainActor) -> float:
                 if "step" in state), default=0.0)
 
 
+def cuda_fixed_bytes() -> int:
+    """What CUDA holds before any model exists, once a bf16 and an fp32 matmul have run on the default stream:
+    cuBLAS's workspaces come from the caching allocator and stay (32 MiB on Hopper), whatever the model size."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.ones(64, 64, device="cuda", dtype=dtype)
+        (x @ x).sum().item()
+    del x
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def largest_live(count: int = 4) -> list[dict]:
+    """The largest allocations still live, each with the innermost Python frames that made it (memory history
+    is recorded from the start of the script on CUDA): what a failed offload check left on the GPU."""
+    live = [block for segment in torch.cuda.memory._snapshot()["segments"] for block in segment["blocks"]
+            if block["state"] == "active_allocated"]
+    live.sort(key=lambda block: -block["size"])
+    return [{"bytes": block["size"],
+             "frames": [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
+                        for f in block.get("frames", []) if f["filename"].endswith(".py")][:4]}
+            for block in live[:count]]
+
+
 def main(model_dir: str, work: Path, load: bool, with_lora: bool = False, load_flags: tuple[str, ...] = ()) -> None:
+    fixed = 0
+    if torch.cuda.is_available() and not load:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        fixed = cuda_fixed_bytes()
     checkpoint = {"hf_checkpoint": model_dir, **({"load": str(work / "ckpt")} if load else {"save": str(work / "ckpt")}),
                   **{flag[2:].replace("-", "_"): True for flag in load_flags}}
     config = Config.model_validate({
@@ -101,6 +128,7 @@ def main(model_dir: str, work: Path, load: bool, with_lora: bool = False, load_f
                       "frozen_params": frozen, "ref_slots": sum(k.startswith("ref") for k in keys), "ref_tensors": reference,
                       # CUDA: what stays allocated while offloaded, against the weights of policy and reference
                       "gpu_bytes_offloaded": offloaded.get("gpu_bytes"), "frozen_bytes": offloaded.get("frozen_bytes"),
+                      "gpu_bytes_fixed": fixed, "largest_live": largest_live() if fixed else [],
                       "model_bytes": sum(t.numel() * t.element_size() for m in [*actor.models, *(actor.ref_models or [])]
                                          for t in {id(t): t for t in m.parameters()}.values())}), flush=True)
     for step in range(3):
