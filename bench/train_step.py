@@ -70,6 +70,9 @@ def main() -> None:
                              "per rollout, as the train actor does then)")
     parser.add_argument("--log-probs-chunk-size", type=int, default=-1,
                         help="train.log_probs_chunk_size: response positions scored per chunk (-1: the default)")
+    parser.add_argument("--compile-scores", action=argparse.BooleanOptionalAction, default=None,
+                        help="train.compile_scores: the log-softmax over the vocabulary torch.compile'd (default: "
+                             "on under CUDA with Triton); --no-compile-scores for the eager kernels")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
@@ -91,7 +94,7 @@ def main() -> None:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
 
-    from slime.backends.megatron import cuda_graphs
+    from slime.backends.megatron import cuda_graphs, score_kernels
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers
@@ -111,12 +114,14 @@ def main() -> None:
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
                "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
-               "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models)}
+               "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models),
+               "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda"))}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
-                            log_probs_chunk_size=args.log_probs_chunk_size, reuse_log_probs=args.reuse_log_probs)
+                            log_probs_chunk_size=args.log_probs_chunk_size, reuse_log_probs=args.reuse_log_probs,
+                            compile_scores=args.compile_scores)
     generator = torch.Generator().manual_seed(0)
     for n, seq in enumerate(args.seq):
         if n and cuda_graphs.enabled(models):  # graphs replay one shape: capture again for this length
@@ -199,7 +204,8 @@ def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module]
     from slime.backends.megatron.step_data import TrainArrays
 
     batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
-                    chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature)
+                    chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature,
+                    compile_scores=settings.compile_scores)
     old = None if settings.reuse_log_probs else compute_log_probs(models, samples, **batching).log_probs
     return TrainArrays(advantages=advantages, old_log_probs=old,
                        ref_log_probs=compute_log_probs(ref_models, samples, **batching).log_probs)

@@ -463,6 +463,10 @@ class TrainConfig(_Section):
                                                       "over the vocabulary per chunk, less peak memory); -1: the "
                                                       "scorer's default (chunks of ~2^26 fp32 values, or all at "
                                                       "once under tensor parallelism); the values do not change")
+    compile_scores: bool | None = Field(None, description="torch.compile the log-softmax over the vocabulary that "
+                                                          "scores response tokens (forward and backward, chunk by "
+                                                          "chunk: fused kernels, no fp32 copy of the logits); "
+                                                          "unset: on under CUDA with Triton; false: eager kernels")
     megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
                                                                "role: actor, overrides: {...}}]): the actor entry's "
                                                                "overrides win over flags and YAML; critic: ignored")

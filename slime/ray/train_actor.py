@@ -591,7 +591,7 @@ class TrainActor:
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
                         pad_token_id=self.tokenizer.pad_token_id or 0, pad_multiple=t.data_pad_size_multiplier,
-                        chunk_size=t.log_probs_chunk_size,
+                        chunk_size=t.log_probs_chunk_size, compile_scores=t.compile_scores,
                         profile=lambda items: self.profiler.iterate("train_log_probs", items),
                         workload=self._flops if t.balance_by_flops else None)
         old = entropies = None

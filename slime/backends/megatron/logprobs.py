@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from slime.backends.megatron import score_kernels
 from slime.backends.megatron.batching import micro_batches
 from slime.backends.megatron.forward import forward_only, is_last_stage, pipeline_size, share_from_last_stage
 from slime.errors import ConfigError
@@ -122,14 +123,15 @@ def forward_logits(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
 
 
 def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, temperature: float = 1.0,
-                 with_entropy: bool = False,
-                 chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, chunk_size: int = -1,
+                 compile_scores: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` from the logits of `forward_logits`: the part the train step may recompute in
     the backward pass instead of keeping its activations (slime's --recompute-loss-function).
 
     Without tensor parallelism the scores come from `ResponseScores`, which reads each row's scoring
     positions as a view of the logits and never materialises an fp32 `[B, R, V]` copy; under tensor
-    parallelism the scoring positions are gathered and scored by `_vocab_parallel_scores`."""
+    parallelism the scoring positions are gathered and scored by `_vocab_parallel_scores`. `compile_scores`
+    (`train.compile_scores`): `ResponseScores`' chunks run torch.compile'd (`score_kernels`); unset, on CUDA."""
     from megatron.core import parallel_state
 
     if temperature <= 0:
@@ -143,7 +145,8 @@ def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, t
     else:
         starts = tuple(n - 1 for n in batch.host_prompt_lengths)
         logp, entropy = ResponseScores.apply(logits, targets, starts, batch.host_response_lengths, vocab_size,
-                                             temperature, chunk_size, with_entropy)
+                                             temperature, chunk_size, with_entropy,
+                                             score_kernels.use_compiled(compile_scores, logits.device))
     logp = torch.where(mask, logp, 0.0)
     entropy = torch.where(mask, entropy, 0.0) if with_entropy else None
     return logp, mask, entropy
@@ -181,7 +184,8 @@ class ResponseScores(torch.autograd.Function):
 
         dL/dlogits = (g_logp * (onehot(target) - p) + g_H * p * (E_p[z] - z)) / T.
 
-    At most one `[rows, chunk, V]` fp32 chunk (and its p) is alive at a time. Positions past a row's
+    At most one `[rows, chunk, V]` fp32 chunk (and its p) is alive at a time, none with `compiled` (the chunk's
+    work torch.compile'd into fused kernels, `score_kernels`; same values to fp32 rounding). Positions past a row's
     length give log-prob and entropy 0 (the caller masks them). `chunk_size` <= 0 picks chunks of about
     `CHUNK_ELEMENTS`; the values do not depend on it.
     """
@@ -189,19 +193,19 @@ class ResponseScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, starts: tuple[int, ...],
                 lengths: tuple[int, ...], vocab_size: int, temperature: float, chunk_size: int,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = targets.shape
         logp = torch.zeros(rows, width, dtype=torch.float32, device=logits.device)
         log_z, mean_z = torch.zeros_like(logp), torch.zeros_like(logp)
+        chunk_forward, _ = score_kernels.kernels(compiled)
         for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
-            z = _scaled(logits[rs, start + i:start + i + n, :vocab_size], temperature)
-            lz = torch.logsumexp(z, dim=-1)
-            log_z[rs, i:i + n] = lz
-            logp[rs, i:i + n] = z.gather(-1, targets[rs, i:i + n].unsqueeze(-1)).squeeze(-1) - lz
+            lp, lz, mz = chunk_forward(logits[rs, start + i:start + i + n, :vocab_size],
+                                       _piece(targets, rs, i, n), temperature, with_entropy)
+            logp[rs, i:i + n], log_z[rs, i:i + n] = lp, lz
             if with_entropy:
-                mean_z[rs, i:i + n] = (torch.exp(z - lz.unsqueeze(-1)) * z).sum(dim=-1)
+                mean_z[rs, i:i + n] = mz
         ctx.save_for_backward(logits, targets, log_z, mean_z)
-        ctx.setup = (starts, lengths, vocab_size, temperature, chunk_size)
+        ctx.setup = (starts, lengths, vocab_size, temperature, chunk_size, compiled)
         ctx.set_materialize_grads(False)
         entropy = log_z - mean_z if with_entropy else torch.zeros_like(logp)
         return logp, entropy
@@ -209,31 +213,45 @@ class ResponseScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple:
         logits, targets, log_z, mean_z = ctx.saved_tensors
-        starts, lengths, vocab_size, temperature, chunk_size = ctx.setup
-        grad = torch.zeros_like(logits)
+        starts, lengths, vocab_size, temperature, chunk_size, compiled = ctx.setup
         if grad_logp is None and grad_entropy is None:
-            return grad, None, None, None, None, None, None, None
+            return torch.zeros_like(logits), None, None, None, None, None, None, None, None
+        grad = _unscored_zeroed(logits, starts, lengths, vocab_size)
+        _, chunk_backward = score_kernels.kernels(compiled)
+        if compiled:  # zeros for a missing gradient (same values): one compiled variant instead of three
+            grad_logp = torch.zeros_like(log_z) if grad_logp is None else grad_logp
+            grad_entropy = torch.zeros_like(log_z) if grad_entropy is None else grad_entropy
         for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
-            z = _scaled(logits[rs, start + i:start + i + n, :vocab_size], temperature)
-            lz = log_z[rs, i:i + n].unsqueeze(-1)
-            p = torch.exp(z - lz)
-            g = torch.zeros_like(p)
-            if grad_entropy is not None:  # dH/dz = p (E_p[z] - z)
-                g = p * (mean_z[rs, i:i + n].unsqueeze(-1) - z) * grad_entropy[rs, i:i + n].unsqueeze(-1)
-            if grad_logp is not None:  # dlogp/dz = onehot - p
-                gl = grad_logp[rs, i:i + n].unsqueeze(-1)
-                g = g - p * gl
-                g.scatter_add_(-1, targets[rs, i:i + n].unsqueeze(-1), gl)
-            if temperature != 1.0:
-                g = g / temperature
-            grad[rs, start + i:start + i + n, :vocab_size] = g
-        return grad, None, None, None, None, None, None, None
+            grad[rs, start + i:start + i + n, :vocab_size] = chunk_backward(
+                logits[rs, start + i:start + i + n, :vocab_size], _piece(targets, rs, i, n), _piece(log_z, rs, i, n),
+                _piece(mean_z, rs, i, n), _piece(grad_logp, rs, i, n), _piece(grad_entropy, rs, i, n), temperature)
+        return grad, None, None, None, None, None, None, None, None
 
 
-def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """An fp32 copy of a logits chunk, divided by the temperature."""
-    z = chunk.to(torch.float32, copy=True)
-    return z.div_(temperature) if temperature != 1.0 else z
+def _piece(values: torch.Tensor | None, rows: slice, i: int, n: int) -> torch.Tensor | None:
+    """A chunk's `[rows, n]` part of a response-aligned tensor, contiguous: a view's row stride is the full
+    width, which compiled kernels would guard on (a recompile whenever a chunk spans the whole width)."""
+    return None if values is None else values[rows, i:i + n].contiguous()
+
+
+def _unscored_zeroed(logits: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...],
+                     vocab_size: int) -> torch.Tensor:
+    """An uninitialised gradient of the logits with 0 written where no chunk writes (positions outside each
+    row's scoring range, the padded vocabulary): one pass over the `[B, S, V]` bf16 gradient fewer than
+    zeroing it all first, when the chunks cover nearly all of it (SFT: every position but the last)."""
+    grad = torch.empty_like(logits)
+    seq = logits.shape[1]
+    if len(set(starts)) == 1 and len(set(lengths)) == 1:
+        spans = [(slice(None), starts[0] if starts else 0, lengths[0] if lengths else 0)]
+    else:
+        spans = [(slice(b, b + 1), s, n) for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+    for rows, start, length in spans:
+        start = min(max(start, 0), seq) if length > 0 else seq  # a row with nothing scored: all zero
+        grad[rows, :start].zero_()
+        grad[rows, start + max(length, 0):].zero_()
+    if vocab_size < logits.shape[2]:
+        grad[..., vocab_size:].zero_()
+    return grad
 
 
 def _chunks(starts: tuple[int, ...], lengths: tuple[int, ...], vocab_size: int,
@@ -300,6 +318,7 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                       temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
                       use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
                       pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
+                      compile_scores: bool | None = None,
                       profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
                       workload: Callable[[int], float] | None = None) -> SampleLogProbs:
     """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
@@ -318,7 +337,7 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
     def collect(indices: list[int], logits: torch.Tensor) -> tuple[list[int], PaddedBatch, tuple]:
         batch = padded.pop(id(indices))
         out = score_logits(logits, batch, vocab_size=vocab_size, temperature=temperature,
-                           with_entropy=with_entropy, chunk_size=chunk_size)
+                           with_entropy=with_entropy, chunk_size=chunk_size, compile_scores=compile_scores)
         return indices, batch, out
 
     log_probs: list[torch.Tensor | None] = [None] * len(samples)

@@ -118,6 +118,7 @@ class StepSettings:
     reuse_log_probs: bool = False
     data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
     log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
+    compile_scores: bool | None = None  # the scoring chunks torch.compile'd (None: on under CUDA with Triton)
     recompute_loss_function: bool = False  # score and loss from the logits recomputed in the backward pass
     workload: Callable[[int], float] | None = None  # --balance-by-flops: a length's cost (batching.micro_batches)
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
@@ -152,6 +153,7 @@ class StepSettings:
                    use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
                    get_mismatch_metrics=a.get_mismatch_metrics,
                    data_pad_size_multiplier=t.data_pad_size_multiplier, log_probs_chunk_size=t.log_probs_chunk_size,
+                   compile_scores=t.compile_scores,
                    recompute_loss_function=t.recompute_loss_function)
 
 
@@ -325,7 +327,8 @@ def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tu
         logp, response_mask, entropy = score_logits(output, micro.batch, vocab_size=step.vocab_size,
                                                     temperature=s.temperature,
                                                     with_entropy=s.loss_type == "policy_loss",
-                                                    chunk_size=s.log_probs_chunk_size)
+                                                    chunk_size=s.log_probs_chunk_size,
+                                                    compile_scores=s.compile_scores)
         if entropy is not None and not s.entropy_coef:
             entropy = entropy.detach()  # a metric only: keep it out of the graph
         return _loss_terms(step, micro, logp, entropy, response_mask & micro.loss_mask)

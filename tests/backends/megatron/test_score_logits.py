@@ -32,17 +32,17 @@ def plain_scores(logits, batch, temperature, with_entropy, vocab=VOCAB):
     return torch.where(mask, logp, 0.0), mask, entropy
 
 
-def make_batch(same_range: bool) -> logprobs.PaddedBatch:
+def make_batch(same_range: bool, multiple: int = 4) -> logprobs.PaddedBatch:
     g = torch.Generator().manual_seed(0)
     # (prompt, response): SFT scores every token after the first, all rows alike; RL rows differ, one
     # has nothing to score
     shapes = [(1, 11), (1, 11), (1, 11)] if same_range else [(3, 5), (1, 10), (6, 0), (2, 3)]
     samples = [Sample(index=i, tokens=torch.randint(0, VOCAB, (p + r,), generator=g).tolist(), response_length=r)
                for i, (p, r) in enumerate(shapes)]
-    return pad_samples(samples, multiple=4)
+    return pad_samples(samples, multiple=multiple)
 
 
-def compare(batch, dtype, temperature, with_entropy, chunk_size, atol, rtol, entropy_atol=None):
+def compare(batch, dtype, temperature, with_entropy, chunk_size, atol, rtol, entropy_atol=None, compile_scores=None):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(*batch.tokens.shape, PADDED, generator=g) * 3
     up_logp = torch.randn(batch.tokens.shape[0], batch.max_response_length, generator=g)
@@ -52,7 +52,8 @@ def compare(batch, dtype, temperature, with_entropy, chunk_size, atol, rtol, ent
         logits = base.to(dtype).requires_grad_(True)
         if fn is None:
             logp, mask, entropy = score_logits(logits, batch, vocab_size=VOCAB, temperature=temperature,
-                                               with_entropy=with_entropy, chunk_size=chunk_size)
+                                               with_entropy=with_entropy, chunk_size=chunk_size,
+                                               compile_scores=compile_scores)
         else:
             logp, mask, entropy = fn(logits, batch, temperature, with_entropy)
         loss = (logp * up_logp).sum() + ((entropy * up_entropy).sum() if with_entropy else 0)
@@ -84,6 +85,54 @@ def test_fp32_equals_the_plain_formula(same_range, chunk_size, with_entropy):
 def test_bf16_equals_the_plain_formula_within_bf16_rounding(same_range):
     # both compute in fp32 from the same bf16 logits; only the bf16 gradient's rounding differs
     compare(make_batch(same_range), torch.bfloat16, 1.3, True, 3, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunks_equal_the_plain_formula(dtype):
+    """`train.compile_scores`: the chunk kernels torch.compile'd (inductor's CPU backend here, Triton on CUDA)
+    give the plain formula's values and gradients, ragged rows and one range, every combination of gradients
+    (log-prob only, entropy too), without a recompile per chunk shape."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tol = dict(atol=1e-5, rtol=1e-5, entropy_atol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for same_range, chunk_size, with_entropy in [(False, 3, True), (True, 4, False), (True, -1, True)]:
+        compare(make_batch(same_range), dtype, 0.7, with_entropy, chunk_size, compile_scores=True, **tol)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # forward by entropy, both by rows and chunk length 1 or more (sizes of 1 specialise): within dynamo's
+    # recompile limit of 8 a function, past which it would run eagerly again
+    assert 0 < graphs <= 12, graphs
+    # the same calls on batches padded to other lengths (the logits' shape and strides change): no new graph
+    for multiple in (8, 16):
+        for same_range, chunk_size, with_entropy in [(False, 3, True), (True, 4, False), (True, -1, True)]:
+            compare(make_batch(same_range, multiple), dtype, 0.7, with_entropy, chunk_size, compile_scores=True,
+                    **tol)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_is_the_default_only_on_cuda():
+    from slime.backends.megatron import score_kernels
+
+    assert not score_kernels.use_compiled(None, torch.device("cpu"))
+    assert score_kernels.use_compiled(True, torch.device("cpu")) and not score_kernels.use_compiled(
+        False, torch.device("cuda"))
+    assert score_kernels.kernels(False) == (score_kernels.chunk_forward, score_kernels.chunk_backward)
+
+
+def test_unscored_positions_get_zero_gradient():
+    """The gradient is allocated uninitialised and zeroed only where no chunk writes: a row with nothing to
+    score, positions before and after each row's range, the padded vocabulary."""
+    batch = make_batch(False)
+    logits = torch.randn(*batch.tokens.shape, PADDED).requires_grad_(True)
+    logp, mask, entropy = score_logits(logits, batch, vocab_size=VOCAB, with_entropy=True)
+    (logp.sum() + entropy.sum()).backward()
+    scored = torch.zeros(batch.tokens.shape, dtype=torch.bool)
+    for row, (p, r) in enumerate(zip(batch.host_prompt_lengths, batch.host_response_lengths, strict=True)):
+        scored[row, p - 1:p - 1 + r] = True
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[~scored].abs().max() == 0 and logits.grad[..., VOCAB:].abs().max() == 0
+    assert (logits.grad[scored][:, :VOCAB].abs().sum(dim=-1) > 0).all()
 
 
 def test_unset_chunk_size_chunks_by_elements(monkeypatch):
