@@ -53,6 +53,7 @@ from slime.megatron_flags import (
     renamed_options,
 )
 from slime.slime_flags import (
+    LAUNCHER_ROUTER,
     MAPPED,
     PLUGIN_ONLY,
     RAY_CLI,
@@ -1150,6 +1151,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(data, nested)
         where.update(origin)
     if isinstance(data.get("sglang"), dict):
+        _move_router_flags(data, where)
         data["sglang"] = _renamed_sglang(data["sglang"], where)
     try:
         config = Config.model_validate(data)
@@ -1163,6 +1165,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config._sources = where
     _log_mapped(config, where)
     return config
+
+
+def _move_router_flags(data: dict[str, Any], where: dict[str, str]) -> None:
+    """slime's `--sglang-router-*` flags that set an option of the router (slime_flags.LAUNCHER_ROUTER) land in
+    the `sglang` section by their prefix; move each to the `router` section under the router's option name."""
+    from slime.engines.process import flag_key
+
+    sglang = data["sglang"]
+    for key in [k for k in sglang if f"sglang_{flag_key(str(k))}" in LAUNCHER_ROUTER]:
+        name = f"sglang_{flag_key(str(key))}"
+        option, why = LAUNCHER_ROUTER[name]
+        value, router = sglang.pop(key), data.setdefault("router", {})
+        source = where.get(f"sglang.{key}", f"--{name.replace('_', '-')}")
+        if not isinstance(router, dict):
+            raise ConfigError(f"{where.get('router', 'router')}: section 'router' must be a mapping")
+        given = next((k for k in router if flag_key(str(k)) == option), None)
+        if given is not None and router[given] != value:
+            raise ConfigError(f"{source}: slime's --{name.replace('_', '-')} {value!r} sets the router's "
+                              f"--{option.replace('_', '-')}, which is also given as {router[given]!r}; keep one")
+        router[given if given is not None else option] = value
+        where.setdefault(f"router.{given if given is not None else option}", source)
+        logger.info("--%s: passed to the router as --router-%s: %s", name.replace("_", "-"),
+                    option.replace("_", "-"), why)
 
 
 def _renamed_sglang(sglang: dict[str, Any], where: dict[str, str]) -> dict[str, Any]:

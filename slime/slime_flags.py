@@ -96,6 +96,14 @@ LAUNCHER_REFUSED: dict[str, str] = {
                            "own requests; for throughput add engines (--rollout-num-gpus)",
 }
 
+# slime's flags of its SGLang launcher that set an option of the router it starts -> (sglang-router option, why);
+# they reach the `sglang` pass-through by their prefix, and load_config moves them to `router` (logged)
+LAUNCHER_ROUTER: dict[str, tuple[str, str]] = {
+    "sglang_router_request_timeout_secs": (
+        "request_timeout_secs", "slime sets the router's RouterArgs.request_timeout_secs with it; given nowhere, "
+        "the router here keeps sglang-router's default, 1800 s (slime's: 14400 s)"),
+}
+
 _RAY_START = ("an option of the scripts' `ray start` line, not of slime's train.py: `slime rl` starts a local Ray "
               "itself, or joins a running cluster given by --ray-address")
 # options of the `ray start` / `ray job submit` / `ray stop` lines of slime's scripts (all 68 scripts/*.sh at the
@@ -235,8 +243,10 @@ def script_flag_table_markdown() -> str:
     lines = [
         "## Other flags of slime's launch scripts",
         "",
-        "Flags in THUDM/slime's `scripts/*.sh` (commit " + source_commit()[:8] + ") that are neither slime's own "
-        "(the table above), a config field nor Megatron's. `refused`: stops `load_config` with the reason; "
+        "Flags of THUDM/slime's `scripts/*.sh` and of its SGLang launcher (`slime/backends/sglang_utils/"
+        "arguments.py`, commit " + source_commit()[:8] + ") that are neither slime's own (the table above), a "
+        "config field nor Megatron's. `refused`: stops `load_config` with the reason; `mapped`: "
+        "passed to the router as the `--router-<option>` named (logged); "
         f"`renamed`: an SGLang flag the scripts spell as an older SGLang did: passed to the engines under SGLang "
         f"{PINNED_SGLANG_VERSION}'s name (only when the SGLang validated against lacks the old one; logged); "
         "`not slime's`: an option of the scripts' Ray command lines, which stays an unknown option naming what does "
@@ -247,6 +257,8 @@ def script_flag_table_markdown() -> str:
     ]
     rows = [(f"--{name.replace('_', '-')}", "refused", why) for name, why in LAUNCHER_REFUSED.items()]
     rows.append(("--sglang-config", "refused", RESERVED_SGLANG_ARGS["config"]))
+    rows += [(f"--{name.replace('_', '-')}", f"mapped: `--router-{option.replace('_', '-')}`", why)
+             for name, (option, why) in LAUNCHER_ROUTER.items()]
     rows += [(f"--sglang-{old.replace('_', '-')}", f"renamed: `--sglang-{new.replace('_', '-')}`", why)
              for old, (new, why) in RENAMED_SGLANG_ARGS.items()]
     rows += [(f"--{name.replace('_', '-')}", "not slime's", why) for name, why in RAY_CLI.items()]

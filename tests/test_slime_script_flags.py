@@ -11,7 +11,7 @@ from slime.config import load_config
 from slime.engines import sglang_server
 from slime.engines.sglang_server import RENAMED_SGLANG_ARGS, pinned_sglang_flags, renamed_sglang_args
 from slime.errors import ConfigError
-from slime.slime_flags import LAUNCHER_REFUSED, RAY_CLI, REFUSED, slime_flags
+from slime.slime_flags import LAUNCHER_REFUSED, LAUNCHER_ROUTER, RAY_CLI, REFUSED, slime_flags
 
 # scripts/run-glm5-744B-A40B.sh's SGLANG_ARGS, verbatim (comments and blank lines dropped)
 GLM5_SGLANG_ARGS = ["--rollout-num-gpus-per-engine", "64", "--sglang-mem-fraction-static", "0.70",
@@ -68,6 +68,32 @@ def test_slimes_sglang_config_is_refused_with_its_meaning(pinned_only):
     with pytest.raises(ConfigError, match=r"--sglang-config cannot be passed through: slime's --sglang-config \(a "
                                           r"YAML of models and server groups.*is not built here"):
         load_config(None, ["--sglang-config", "deploy.yaml"])
+
+
+def test_slimes_router_timeout_flag_sets_the_routers_option(caplog):
+    """slime's --sglang-router-request-timeout-secs (its launcher's; slime hands it to RouterArgs) was refused as
+    "not a flag of SGLang": it reached the sglang pass-through by its prefix."""
+    with caplog.at_level(logging.INFO, logger="slime.config"):
+        config = load_config(None, ["--sglang-router-request-timeout-secs", "14400"])
+    assert config.router == {"request_timeout_secs": 14400} and config.sglang == {}
+    assert config.source("router.request_timeout_secs") == "--sglang-router-request-timeout-secs"
+    assert any("--sglang-router-request-timeout-secs: passed to the router as --router-request-timeout-secs" in
+               r.message for r in caplog.records), caplog.text
+    same = load_config(None, ["--sglang-router-request-timeout-secs", "60", "--router-request-timeout-secs", "60"])
+    assert same.router == {"request_timeout_secs": 60}
+    with pytest.raises(ConfigError, match=r"--sglang-router-request-timeout-secs: slime's "
+                                          r"--sglang-router-request-timeout-secs 14400 sets the router's "
+                                          r"--request-timeout-secs, which is also given as 5; keep one"):
+        load_config(None, ["--sglang-router-request-timeout-secs", "14400", "--router-request-timeout-secs", "5"])
+
+
+def test_router_table_targets_are_router_options_and_no_config_fields():
+    from slime.config import FIELD_SECTION
+    from slime.engines.router import check_router_args
+
+    for name, (option, _) in LAUNCHER_ROUTER.items():
+        assert name.startswith("sglang_router_") and name not in FIELD_SECTION
+        check_router_args({option: 1})  # a real sglang-router flag
 
 
 # --- SGLang flags under an older SGLang's names ------------------------------------------------------------------
