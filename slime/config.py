@@ -52,7 +52,15 @@ from slime.megatron_flags import (
     no_effect_notes,
     renamed_options,
 )
-from slime.slime_flags import MAPPED, PLUGIN_ONLY, REFUSED, flag_table_markdown
+from slime.slime_flags import (
+    LAUNCHER_ROUTER,
+    MAPPED,
+    PLUGIN_ONLY,
+    RAY_CLI,
+    flag_table_markdown,
+    refusal,
+    script_flag_table_markdown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -914,6 +922,8 @@ def reference_markdown() -> str:
         flag_table_markdown(),
         "",
         launch_flag_table_markdown(),
+        "",
+        script_flag_table_markdown(),
     ]
     return "\n".join(lines)
 
@@ -982,8 +992,8 @@ def _check_yaml_keys(data: dict[str, Any], where: dict[str, str]) -> None:
                 path = f"{key}.{name}"
                 if name in FIELD_SECTION:
                     hint = f"; it belongs under '{FIELD_SECTION[name]}:'"
-                elif name in REFUSED:
-                    hint = f"; slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}"
+                elif why := refusal(name):
+                    hint = f"; slime's --{name.replace('_', '-')} is not supported here: {why}"
                 else:
                     hint = _suggest(name, [n for n, s in FIELD_SECTION.items() if s == key])
                 raise ConfigError(f"{where.get(path, path)}: unknown field {path!r}{hint}")
@@ -1144,6 +1154,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         nested, origin = read_megatron_role_config(role_path, "actor")
         data = _merge(data, nested)
         where.update(origin)
+    if isinstance(data.get("sglang"), dict):
+        _move_router_flags(data, where)
+        data["sglang"] = _renamed_sglang(data["sglang"], where)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
@@ -1156,6 +1169,53 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config._sources = where
     _log_mapped(config, where)
     return config
+
+
+def _move_router_flags(data: dict[str, Any], where: dict[str, str]) -> None:
+    """slime's `--sglang-router-*` flags that set an option of the router (slime_flags.LAUNCHER_ROUTER) land in
+    the `sglang` section by their prefix; move each to the `router` section under the router's option name."""
+    from slime.engines.process import flag_key
+
+    sglang = data["sglang"]
+    for key in [k for k in sglang if f"sglang_{flag_key(str(k))}" in LAUNCHER_ROUTER]:
+        name = f"sglang_{flag_key(str(key))}"
+        option, why = LAUNCHER_ROUTER[name]
+        value, router = sglang.pop(key), data.setdefault("router", {})
+        source = where.get(f"sglang.{key}", f"--{name.replace('_', '-')}")
+        if not isinstance(router, dict):
+            raise ConfigError(f"{where.get('router', 'router')}: section 'router' must be a mapping")
+        given = next((k for k in router if flag_key(str(k)) == option), None)
+        if given is not None and router[given] != value:
+            raise ConfigError(f"{source}: slime's --{name.replace('_', '-')} {value!r} sets the router's "
+                              f"--{option.replace('_', '-')}, which is also given as {router[given]!r}; keep one")
+        router[given if given is not None else option] = value
+        where.setdefault(f"router.{given if given is not None else option}", source)
+        logger.info("--%s: passed to the router as --router-%s: %s", name.replace("_", "-"),
+                    option.replace("_", "-"), why)
+
+
+def _renamed_sglang(sglang: dict[str, Any], where: dict[str, str]) -> dict[str, Any]:
+    """The `sglang` section with the old SGLang flag names of slime's scripts (`--sglang-cuda-graph-max-bs`) under
+    the names the SGLang validated against has (sglang_server.RENAMED_SGLANG_ARGS), each rename logged; later
+    messages about the new name name the flag that was given."""
+    from slime.engines.process import flag_key
+    from slime.engines.sglang_server import RENAMED_SGLANG_ARGS, known_sglang_flags, renamed_sglang_args
+
+    if not any(flag_key(str(key)) in RENAMED_SGLANG_ARGS for key in sglang):
+        return sglang  # nothing to rename: SGLang's flags are not looked up here
+    version, flags = known_sglang_flags()
+    try:
+        out, renamed = renamed_sglang_args(sglang, flags)
+    except ConfigError as exc:
+        given = [where[f"sglang.{key}"] for key in sglang if f"sglang.{key}" in where]
+        raise ConfigError(f"{', '.join(given) or 'config'}: {exc}") from None
+    for key, new in renamed.items():
+        if f"sglang.{key}" in where:
+            where.setdefault(f"sglang.{new}", where[f"sglang.{key}"])
+        why = RENAMED_SGLANG_ARGS[flag_key(key)][1]
+        logger.info("--sglang-%s: SGLang %s names it --%s, passed to the engines as --sglang-%s: %s",
+                    flag_key(key).replace("_", "-"), version, new.replace("_", "-"), new.replace("_", "-"), why)
+    return out
 
 
 # inputs a stage reads (model, tokenizer, data, eval files, the kit); the pre-flight checks that they exist
@@ -1609,10 +1669,10 @@ def _validate(config: Config, where: dict[str, str]) -> None:
             read_custom_config(config.run.custom_config_path)
         except ConfigError as exc:
             fail("run.custom_config_path", str(exc))
-    refused = sorted(set(config.megatron) & REFUSED.keys())
+    refused = sorted(name for name in config.megatron if refusal(name))
     if refused:  # one of slime's own flags this project does not do: say why rather than pass it on
         name = refused[0]
-        fail(f"megatron.{name}", f"slime's --{name.replace('_', '-')} is not supported here: {REFUSED[name]}")
+        fail(f"megatron.{name}", f"slime's --{name.replace('_', '-')} is not supported here: {refusal(name)}")
     if int(config.megatron.get("virtual_pipeline_model_parallel_size") or 1) > 1:
         fail("megatron.virtual_pipeline_model_parallel_size", "virtual pipeline stages (interleaved 1F1B) are not "
              "supported by the Megatron backend: it runs one model chunk per rank (pipeline_model_parallel_size "
@@ -1637,8 +1697,9 @@ def _validate(config: Config, where: dict[str, str]) -> None:
         unknown = sorted(set(config.megatron) - megatron_flag_names() - LAUNCH_ACCEPTED)
         if unknown:
             name = unknown[0]
-            hint = _suggest(name, [*FIELD_SECTION, *megatron_flag_names(), *LAUNCH])
-            fail(f"megatron.{name}", f"unknown option --{name.replace('_', '-')}{hint.replace('_', '-')}")
+            hint = f"; {RAY_CLI[name]}" if name in RAY_CLI else _suggest(
+                name, [*FIELD_SECTION, *megatron_flag_names(), *LAUNCH]).replace("_", "-")
+            fail(f"megatron.{name}", f"unknown option --{name.replace('_', '-')}{hint}")
 
 
 @functools.cache

@@ -117,6 +117,10 @@ LAUNCH: dict[str, LaunchFlag] = {
         "renamed", "layers on the first pipeline stage", field="num_layers_in_first_pipeline_stage"),
     "decoder_last_pipeline_num_layers": LaunchFlag(
         "renamed", "layers on the last pipeline stage", field="num_layers_in_last_pipeline_stage"),
+    "fp8_format": LaunchFlag(
+        "renamed", "FP8 format of Transformer Engine's layers, e4m3 or hybrid (Megatron-LM's --fp8-format has "
+        "dest fp8); make_bridge refuses it where Transformer Engine is absent (the local spec has no FP8)",
+        field="fp8"),
     # agrees: Megatron-LM makes it a knob, this project always builds one way
     "accumulate_allreduce_grads_in_fp32": LaunchFlag(
         "agrees", "Megatron-LM's DDP grad_reduce_in_fp32; build_model's DDP always accumulates and reduces "

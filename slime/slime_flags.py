@@ -88,6 +88,36 @@ REFUSED: dict[str, str] = {
     "enable_mtp_training": "multi-token prediction (MTP) layers are not built here",
 }
 
+# slime's flags of its SGLang launcher (slime/backends/sglang_utils/arguments.py, same commit; not in slime_flags.tsv)
+# that are neither `--sglang-<ServerArgs flag>` pass-through nor config fields here -> why refused. (Its
+# --sglang-config is refused by the pass-through check: sglang_server.RESERVED_SGLANG_ARGS["config"].)
+LAUNCHER_REFUSED: dict[str, str] = {
+    "prefill_num_servers": "prefill/decode disaggregation is not built here: each engine prefills and decodes its "
+                           "own requests; for throughput add engines (--rollout-num-gpus)",
+}
+
+# slime's flags of its SGLang launcher that set an option of the router it starts -> (sglang-router option, why);
+# they reach the `sglang` pass-through by their prefix, and load_config moves them to `router` (logged)
+LAUNCHER_ROUTER: dict[str, tuple[str, str]] = {
+    "sglang_router_request_timeout_secs": (
+        "request_timeout_secs", "slime sets the router's RouterArgs.request_timeout_secs with it; given nowhere, "
+        "the router here keeps sglang-router's default, 1800 s (slime's: 14400 s)"),
+}
+
+_RAY_START = ("an option of the scripts' `ray start` line, not of slime's train.py: `slime rl` starts a local Ray "
+              "itself, or joins a running cluster given by --ray-address")
+# options of the `ray start` / `ray job submit` / `ray stop` lines of slime's scripts (all 68 scripts/*.sh at the
+# commit above), not of train.py: they stay unknown options, and the message says what does their job here
+RAY_CLI: dict[str, str] = {
+    **{name: _RAY_START for name in ("head", "node_ip_address", "num_gpus", "disable_usage_stats", "dashboard_host",
+                                     "dashboard_port")},
+    "force": "an option of the scripts' `ray stop` line, not of slime's train.py: `slime rl` stops the Ray it started",
+    "address": "an option of the scripts' `ray job submit` line, not of slime's train.py: to join a running Ray "
+               "cluster give --ray-address",
+    "runtime_env_json": "an option of the scripts' `ray job submit` line, not of slime's train.py: the train ranks' "
+                        "environment variables (its env_vars) are --train-env-vars, as JSON",
+}
+
 # flag -> how this project does the job (accepted; logged once when set)
 MAPPED: dict[str, str] = {
     "save_debug_rollout_data": "every rollout is committed to the store as an Arrow shard set "
@@ -154,8 +184,9 @@ DEFAULTS_DIFFER: dict[str, str] = {
 
 
 def refusal(name: str) -> str | None:
-    """Why the slime flag `name` (field spelling) is refused here; None when it is not."""
-    return REFUSED.get(name)
+    """Why the slime flag `name` (field spelling, one of its own or of its SGLang launcher) is refused here; None
+    when it is not."""
+    return REFUSED.get(name) or LAUNCHER_REFUSED.get(name)
 
 
 def classify(flag: SlimeFlag) -> tuple[str, str]:
@@ -201,6 +232,37 @@ def flag_table_markdown() -> str:
         meaning = flag.help if len(flag.help) <= 120 else flag.help[:117].rstrip() + "..."
         lines.append(f"| `{flag.flag}` | {flag.type}, `{flag.default}` | {meaning.replace('|', '/')} | {state} | "
                      f"{note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def script_flag_table_markdown() -> str:
+    """The docs/configuration.md table of the other flags slime's launch scripts carry: its SGLang launcher's own
+    flags, SGLang flags under an older SGLang's names, and the options of the scripts' Ray lines."""
+    from slime.engines.sglang_server import PINNED_SGLANG_VERSION, RENAMED_SGLANG_ARGS, RESERVED_SGLANG_ARGS
+
+    lines = [
+        "## Other flags of slime's launch scripts",
+        "",
+        "Flags of THUDM/slime's `scripts/*.sh` and of its SGLang launcher (`slime/backends/sglang_utils/"
+        "arguments.py`, commit " + source_commit()[:8] + ") that are neither slime's own (the table above), a "
+        "config field nor Megatron's. `refused`: stops `load_config` with the reason; `mapped`: "
+        "passed to the router as the `--router-<option>` named (logged); "
+        f"`renamed`: an SGLang flag the scripts spell as an older SGLang did: passed to the engines under SGLang "
+        f"{PINNED_SGLANG_VERSION}'s name (only when the SGLang validated against lacks the old one; logged); "
+        "`not slime's`: an option of the scripts' Ray command lines, which stays an unknown option naming what does "
+        "its job here.",
+        "",
+        "| flag | here | what / why |",
+        "|---|---|---|",
+    ]
+    rows = [(f"--{name.replace('_', '-')}", "refused", why) for name, why in LAUNCHER_REFUSED.items()]
+    rows.append(("--sglang-config", "refused", RESERVED_SGLANG_ARGS["config"]))
+    rows += [(f"--{name.replace('_', '-')}", f"mapped: `--router-{option.replace('_', '-')}`", why)
+             for name, (option, why) in LAUNCHER_ROUTER.items()]
+    rows += [(f"--sglang-{old.replace('_', '-')}", f"renamed: `--sglang-{new.replace('_', '-')}`", why)
+             for old, (new, why) in RENAMED_SGLANG_ARGS.items()]
+    rows += [(f"--{name.replace('_', '-')}", "not slime's", why) for name, why in RAY_CLI.items()]
+    lines += [f"| `{flag}` | {state} | {why.replace('|', '/')} |" for flag, state, why in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -48,9 +48,53 @@ RESERVED_SGLANG_ARGS: dict[str, str] = {
     "model": "the engines load `checkpoint.hf_checkpoint` (--hf-checkpoint); `--model` is an alias of --model-path",
     "host": "the launcher binds each engine itself (127.0.0.1 on one host; the SGLangEngine `host` argument)",
     "port": "the launcher picks a free port per engine; the router's port is `engine.sglang_router_port`",
-    "config": "put SGLang flags in the `sglang:` section of the slime config (or --sglang-<flag>) instead",
+    "config": "slime's --sglang-config (a YAML of models and server groups: several models, prefill/decode groups, "
+              "per-group overrides) is not built here: the rollout's engines serve one model, all alike; SGLang's "
+              "own --config file: put its flags in the `sglang:` section of the slime config (or --sglang-<flag>)",
     "help": "it is not a server setting",
 }
+
+
+# SGLang flags slime's launch scripts pass (THUDM/slime 624b824a scripts/) under the names of the SGLang they were
+# written for, which SGLang 0.5.23 spells differently -> (its name, why). Read in sglang 0.5.23's
+# srt/arg_groups/fields/exec_.py and cuda_graph_hook.py: the CUDA-graph flags were split per phase (decode,
+# prefill); the old ones set the decode graphs, the only graphs the old flags' SGLang captured.
+RENAMED_SGLANG_ARGS: dict[str, tuple[str, str]] = {
+    "cuda_graph_max_bs": ("cuda_graph_max_bs_decode", "the largest batch size captured in the decode CUDA graph; "
+                          "SGLang split its CUDA-graph flags per phase"),
+    "cuda_graph_bs": ("cuda_graph_bs_decode", "the batch sizes captured in the decode CUDA graph; SGLang split its "
+                      "CUDA-graph flags per phase"),
+    "mamba_scheduler_strategy": ("mamba_radix_cache_strategy", "the hybrid-Mamba cache strategy, same choices "
+                                 "auto, no_buffer, extra_buffer, plus extra_buffer_lazy"),
+    "nsa_prefill_backend": ("dsa_prefill_backend", "DeepSeek sparse attention's prefill kernel: NSA is now DSA"),
+    "nsa_decode_backend": ("dsa_decode_backend", "DeepSeek sparse attention's decode kernel: NSA is now DSA"),
+}
+
+
+def renamed_sglang_args(args: Mapping[str, Any], flags: frozenset[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`args` with each old name of `RENAMED_SGLANG_ARGS` replaced by SGLang's current one, {key as given: new key}).
+
+    Only where the SGLang validated against (`flags`, `known_sglang_flags`) lacks the old flag and has the new one,
+    so an older installed SGLang still gets the name it knows. The old and the new name both given with
+    different values is refused; other keys stay as they are.
+    """
+    out = dict(args)
+    renamed: dict[str, str] = {}
+    for key in list(out):
+        old = flag_key(str(key))
+        if old not in RENAMED_SGLANG_ARGS:
+            continue
+        new = RENAMED_SGLANG_ARGS[old][0]
+        if _flag(old) in flags or _flag(new) not in flags:
+            continue
+        value = out.pop(key)
+        given = next((k for k in out if flag_key(str(k)) == new), None)
+        if given is not None and out[given] != value:
+            raise ConfigError(f"--sglang-{old.replace('_', '-')} {value!r} is SGLang's old name of "
+                              f"--{new.replace('_', '-')}, which is also given as {out[given]!r}; keep one of them")
+        renamed[str(key)] = given if given is not None else new
+        out[renamed[str(key)]] = value
+    return out, renamed
 
 
 def _flag(key: str) -> str:

@@ -190,6 +190,10 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     options = model_options(megatron or {})
+    if options.get("fp8") and not HAVE_TE:  # megatron-core's FP8 runs only in Transformer Engine's layers
+        raise ConfigError(f"megatron.fp8={options['fp8']!r} (--fp8-format, --fp8): FP8 training runs in Transformer Engine's "
+                          "layers, and there is no Transformer Engine here: the model is built on megatron-core's "
+                          "local spec, in bf16/fp32, so FP8 is not built here; drop the flag")
     _check_graph_rng(options)
     defaults = dict(masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,  # fix 4
                     bias_activation_fusion=fused_activation_available(),

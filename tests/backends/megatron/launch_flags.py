@@ -10,6 +10,7 @@ import sys
 
 from slime.backends.megatron.bridge import init_megatron, make_bridge
 from slime.errors import ConfigError
+from slime.megatron_flags import renamed_options
 
 CASES = {
     "agree": {"rotary_percent": 1.0, "use_rope_scaling": False, "apply_layernorm_1p": False, "num_experts": None,
@@ -18,6 +19,7 @@ CASES = {
     "use_rope_scaling": {"use_rope_scaling": True},
     "apply_layernorm_1p": {"apply_layernorm_1p": True},
     "num_experts": {"num_experts": 8},
+    "fp8": {"fp8_format": "e4m3", "fp8_recipe": "blockwise"},  # as the config hands it over: renamed to fp8
 }
 
 
@@ -26,7 +28,7 @@ def main() -> None:
     init_megatron(seed=0)
     for case, megatron in CASES.items():
         try:
-            bridge = make_bridge(hf_dir, megatron=megatron)
+            bridge = make_bridge(hf_dir, megatron=renamed_options(megatron))
             row = {"case": case, "refused": None, "num_layers": bridge.config.num_layers}
         except ConfigError as exc:
             row = {"case": case, "refused": str(exc)}

@@ -1,7 +1,12 @@
 """Megatron-LM's model-shaping launch flags of slime's scripts (--rotary-percent, --use-rope-scaling,
---apply-layernorm-1p, --num-experts) are accepted only when they equal what the HF checkpoint gives."""
+--apply-layernorm-1p, --num-experts) are accepted only when they equal what the HF checkpoint gives; FP8
+(--fp8-format) is refused where there is no Transformer Engine."""
+
+import importlib.util
 
 from script_rows import rows_by_case, run_script
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None  # as slime.backends.megatron.bridge reads it
 
 
 def test_shape_launch_flags_must_equal_the_checkpoint(tiny_kit):
@@ -16,3 +21,8 @@ def test_shape_launch_flags_must_equal_the_checkpoint(tiny_kit):
         refused = rows[case]["refused"]
         assert refused and message in refused and f"megatron.{case}" in refused, (case, refused)
         assert str(tiny_kit.model_dir) in refused, refused
+    fp8 = rows["fp8"]["refused"]  # --fp8-format e4m3 reaches the model options as fp8 (megatron_flags.LAUNCH)
+    if HAVE_TE:
+        assert fp8 is None, fp8
+    else:
+        assert fp8 and "megatron.fp8='e4m3' (--fp8-format, --fp8): FP8 training runs in Transformer Engine's layers" in fp8
