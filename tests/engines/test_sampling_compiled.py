@@ -80,6 +80,7 @@ def test_engine_samples_the_same_with_the_compiled_sampler(tiny_kit):
     get the same tokens and log-probs with and without it."""
     engine = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=7, kv_cache="slots"))
     assert not engine.scheduler.compile_sampler  # CPU: eager unless forced
+    assert engine.server_info()["internal_states"][0]["sampler_compiled"] is False
     prompts = [engine.tokenizer.encode(f"{i}+{i * 13}=") for i in range(1, 5)]
 
     async def generate_all():

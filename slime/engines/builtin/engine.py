@@ -349,6 +349,7 @@ class BuiltinEngine:
             "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
                                  "prefills": self.scheduler.prefills,
                                  "decodes_ahead": self.scheduler.decodes_ahead,
+                                 "sampler_compiled": self.scheduler.compile_sampler,
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,
