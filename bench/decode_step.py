@@ -15,8 +15,8 @@ between the two (a sanity check: the same weights, another GEMM split, bf16). CU
 `--sampler` also times the sampler (`slime.engines.builtin.sampling.sample`, temperature 1, no top-k/top-p: the RL
 case) on each batch's logits, eager (what `--disable-sampler-compile` runs) and compiled (`compiled_draw`, the CUDA
 default), alternating for `--rounds` rounds: median milliseconds of one call from its launch to the end of its
-GPU work (CUDA events, so host launch gaps count), whether both drew the same tokens from the same uniforms, and
-their largest log-prob gap.
+GPU work (CUDA events, so host launch gaps count), how many rows drew another token from the same uniform (0
+expected), and the largest log-prob gap.
 
     python bench/decode_step.py --random-qwen2 0.5b --batches 64 256 --sampler
 
@@ -68,10 +68,10 @@ def compare_sampler(logits: torch.Tensor, steps: int, rounds: int) -> str:
         for name, on in ways.items():
             times[name].append(call_ms(lambda on=on: sample(logits, *params, compiled=on), steps))
     eager, compiled = (statistics.median(times[n]) for n in ways)
-    same = torch.equal(drawn["eager"][0], drawn["compiled"][0])
+    differ = int((drawn["eager"][0] != drawn["compiled"][0]).sum())  # 0 expected (docs/engines.md: numerics)
     gap = (drawn["eager"][1] - drawn["compiled"][1]).abs().max().item()
     return (f"sampler: eager {eager:.3f} ms, compiled {compiled:.3f} ms ({(eager - compiled) / eager:+.1%}); "
-            f"same tokens {same}, max |log-prob gap| {gap:.3g}")
+            f"tokens differing {differ} of {batch}, max |log-prob gap| {gap:.3g}")
 
 
 def main() -> None:
