@@ -10,7 +10,9 @@ Tokens are drawn by inverse CDF: one uniform number per row, taken from that req
 number), located in the row's cumulative distribution with one vectorised `searchsorted`. So a
 request's samples do not depend on what else is in the batch, and a step costs a few batched tensor
 ops instead of one random-number kernel per row (measured: 0.9 ms of 1.4 ms per step for 64 rows
-on CPU went to per-row `exponential_` noise).
+on CPU went to per-row `exponential_` noise). On CUDA the engine runs that common path (no top-k,
+top-p or greedy row) compiled (`compiled_draw`, `--disable-sampler-compile` to turn it off): the
+same function, the same draws.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def sample(
         temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off).
         uniforms: [B] float64 in [0, 1), one per row, from each request's own random stream.
         compiled: run the common path (`plain_draw`: no top-k / top-p, no greedy row, two rows or more)
-            as one `torch.compile`d function (`compiled_draw`) instead of ~15 eager kernels.
+            as one `torch.compile`d function (`compiled_draw`) instead of ~20 eager kernels.
     The four parameter tensors may live on the host: then deciding whether top-k / top-p apply
     costs no device synchronisation, and they are copied to the logits' device here.
     """
