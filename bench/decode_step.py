@@ -12,6 +12,14 @@ between the two (a sanity check: the same weights, another GEMM split, bf16). CU
     python bench/decode_step.py --random-qwen2 0.5b --batches 64 256
     python bench/decode_step.py --random-qwen2 0.5b --batches 256 --profile 30   # + the kernels of one replay
 
+`--sampler` also times the sampler (`slime.engines.builtin.sampling.sample`, temperature 1, no top-k/top-p: the RL
+case) on each batch's logits, eager (what `--disable-sampler-compile` runs) and compiled (`compiled_draw`, the CUDA
+default), alternating for `--rounds` rounds: median milliseconds of one call from its launch to the end of its
+GPU work (CUDA events, so host launch gaps count), how many rows drew another token from the same uniform (0
+expected), and the largest log-prob gap.
+
+    python bench/decode_step.py --random-qwen2 0.5b --batches 64 256 --sampler
+
 `--profile ROWS` then replays the fused decoder's graph of each batch once under torch.profiler and prints the
 step's GPU time, its kernel count and the ROWS costliest kernels: what a replayed step is made of (a 0.5B step
 at 256 rows was 2.36 ms against a ~0.7 ms memory floor: kernel count, not bytes, is the suspect).
@@ -30,20 +38,40 @@ from transformers import AutoModelForCausalLM
 
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.sampling import sample
 from slime.engines.builtin.slots import SlotDecoder
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
-    """Median milliseconds of one replay (CUDA events around each)."""
+def call_ms(fn, steps: int) -> float:
+    """Median milliseconds of one call of `fn`, from its launch to the end of its GPU work (CUDA events)."""
     for _ in range(10):
-        graph.replay()
+        fn()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for start, end in pairs:
         start.record()
-        graph.replay()
+        fn()
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+def compare_sampler(logits: torch.Tensor, steps: int, rounds: int) -> str:
+    """The sampler eager vs compiled on the same logits and uniforms: times, same tokens, log-prob gap."""
+    batch = logits.shape[0]
+    # host tensors, as the scheduler builds them: `sample` decides top-k/top-p on the host, then copies them
+    params = (torch.ones(batch), torch.ones(batch), torch.full((batch,), -1, dtype=torch.long),
+              torch.rand(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(batch)))
+    ways = {"eager": False, "compiled": True}
+    drawn = {name: sample(logits, *params, compiled=on) for name, on in ways.items()}  # compiles once
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, on in ways.items():
+            times[name].append(call_ms(lambda on=on: sample(logits, *params, compiled=on), steps))
+    eager, compiled = (statistics.median(times[n]) for n in ways)
+    differ = int((drawn["eager"][0] != drawn["compiled"][0]).sum())  # 0 expected (docs/engines.md: numerics)
+    gap = (drawn["eager"][1] - drawn["compiled"][1]).abs().max().item()
+    return (f"sampler: eager {eager:.3f} ms, compiled {compiled:.3f} ms ({(eager - compiled) / eager:+.1%}); "
+            f"tokens differing {differ} of {batch}, max |log-prob gap| {gap:.3g}")
 
 
 def main() -> None:
@@ -53,6 +81,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-len", type=int, default=1024, help="slot length (graphs for every length bucket)")
+    parser.add_argument("--sampler", action="store_true",
+                        help="also time the sampler on each batch's logits, eager and compiled (the RL case)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, one replay of the fused graph per batch under torch.profiler")
     args = parser.parse_args()
@@ -80,10 +110,12 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in graphs}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():
-                    times[name].append(replay_ms(graph, args.steps))
+                    times[name].append(call_ms(graph.replay, args.steps))
             unfused, fused = (statistics.median(times[n]) for n in ("unfused", "fused"))
             print(f"batch {batch:4d} (bucket {bucket}): unfused {unfused:.3f} ms, fused {fused:.3f} ms per replayed "
                   f"step ({(unfused - fused) / unfused:+.1%}); max |logit gap| {gap:.3g}", flush=True)
+            if args.sampler:
+                print(f"batch {batch:4d} {compare_sampler(logits['fused'], args.steps, args.rounds)}", flush=True)
             if args.profile:
                 print_profile(graphs["fused"].replay, args.profile, title=f"batch {batch}, one replayed step")
 

@@ -20,6 +20,8 @@ def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance, kv_cache
                                       kv_cache=kv_cache))
     # slots on CUDA: graph-captured decode steps
     assert engine.scheduler.kv_cache == kv_cache
+    # and the compiled sampler (rows leave one by one below: 16 down to 2 share its graph, the last one is eager)
+    assert engine.scheduler.compile_sampler
     try:
         prompts = [engine.tokenizer.encode(f"{i}+{i * 13}=") for i in range(1, 17)]
 
@@ -45,6 +47,32 @@ def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance, kv_cache
         assert worst < tolerance
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_cuda_compiled_sampler_draws_what_eager_draws(scaled):
+    """Triton kernels sum in another order than the eager ones: still the same tokens for the same uniforms
+    (a flip needs a uniform within float rounding of a cumulative boundary) and log-probs to rounding."""
+    from torch._dynamo.utils import counters
+
+    from slime.engines.builtin.sampling import sample
+
+    if not torch.cuda.is_available():
+        pytest.fail("gpu test run without CUDA")
+    before = counters["stats"]["unique_graphs"]
+    for rows in (2, 64, 256):
+        generator = torch.Generator(device="cuda").manual_seed(rows)
+        logits = torch.randn(rows, 151936, device="cuda", generator=generator)
+        logits *= torch.linspace(0.5, 12, rows, device="cuda").unsqueeze(1)  # flat to peaked rows
+        logits[::2, ::5] = float("-inf")
+        host = torch.Generator().manual_seed(rows)
+        temperatures = torch.rand(rows, generator=host) + 0.5 if scaled else torch.ones(rows)
+        args = (logits, temperatures, torch.ones(rows), torch.full((rows,), -1, dtype=torch.long),
+                torch.rand(rows, dtype=torch.float64, generator=host))
+        eager, compiled = sample(*args), sample(*args, compiled=True)
+        assert torch.equal(compiled[0], eager[0])
+        assert (compiled[1] - eager[1]).abs().max().item() < 1e-5
+    assert counters["stats"]["unique_graphs"] - before == 1  # one graph for 2, 64 and 256 rows
 
 
 def test_cuda_memory_budget_caps_the_engine_and_sizes_its_slots(tiny_kit):

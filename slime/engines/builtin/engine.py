@@ -66,6 +66,7 @@ class EngineArgs:
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
     disable_fused_projections: bool = False  # slot mode: q/k/v and gate/up as the modules' own GEMMs (fusion.py)
+    disable_sampler_compile: bool = False  # CUDA: the sampler's common path eager (sampling.compiled_draw)
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
@@ -110,6 +111,7 @@ class BuiltinEngine:
             kv_cache=args.kv_cache, cuda_graphs=not args.disable_cuda_graph, max_slot_len=args.max_slot_tokens,
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
             admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
+            compile_sampler=not args.disable_sampler_compile,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
@@ -347,6 +349,7 @@ class BuiltinEngine:
             "internal_states": [{**self.scheduler.load(), "steps": self.scheduler.steps,
                                  "prefills": self.scheduler.prefills,
                                  "decodes_ahead": self.scheduler.decodes_ahead,
+                                 "sampler_compiled": self.scheduler.compile_sampler,
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,

@@ -124,6 +124,7 @@ class Scheduler:
         overlap: bool = True,
         fuse_projections: bool = True,
         gc_freeze: bool = False,
+        compile_sampler: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -143,6 +144,10 @@ class Scheduler:
         if self.kv_cache == "slots":  # every request must fit its slot
             self.context_length = min(self.context_length, max_slot_len)
         self.cuda_graphs = cuda_graphs
+        # on CUDA the sampler's common path (no top-k / top-p / greedy row) runs as one compiled
+        # function (sampling.compiled_draw): ~15 eager kernels over [B, V] were ~0.7 ms of a 2.9 ms
+        # step at 256 rows on an H200; on CPU it stays eager, as the slot decoder's fused parts
+        self.compile_sampler = compile_sampler and device.type == "cuda"
         self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
         self._slots: SlotDecoder | None = None
         # slot mode: q/k/v and gate/up weights made views into one buffer each, once (fusion.py); the
@@ -533,6 +538,7 @@ class Scheduler:
             torch.tensor([x.top_p for x in p], dtype=torch.float32),
             torch.tensor([x.top_k for x in p], dtype=torch.long),
             torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
+            compiled=self.compile_sampler,
         )
         return tokens, logprobs
 

@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="slot mode: do not launch the next decode before the host has this step's tokens")
     parser.add_argument("--disable-fused-projections", action="store_true",
                         help="slot mode: run q/k/v and gate/up as separate GEMMs (default: one GEMM each per layer)")
+    parser.add_argument("--disable-sampler-compile", action="store_true",
+                        help="CUDA: sample eagerly (default: without top-k/top-p/greedy rows, the sampler is one "
+                             "torch.compile'd function; same draws)")
     parser.add_argument("--max-slot-tokens", type=int, default=4096,
                         help="slot mode: the most tokens (prompt + new) one request may hold")
     parser.add_argument("--mem-fraction-static", type=float,
