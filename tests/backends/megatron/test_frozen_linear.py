@@ -100,3 +100,17 @@ def test_lora_adds_in_place_onto_the_hooked_output_with_the_same_gradients():
     torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
     for name, new, old in zip(("x", "A", "B"), got, want, strict=True):
         torch.testing.assert_close(new, old, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_foldable_is_free_where_matmul_already_folds():
+    """The common case (micro-batch 1, contiguous activations) costs no op at all: the tensor itself comes back;
+    a size-1 batch with an odd stride is re-strided as a view (no copy); only a real transpose is copied."""
+    x = torch.randn(S, 2, H)
+    assert frozen_linear.foldable(x) is x and frozen_linear.folds(x)
+    odd = torch.randn(1, S, V).transpose(0, 1)  # [s, 1, V], strides (V, s V, 1): contiguous, yet not folded
+    assert odd.is_contiguous() and not frozen_linear.folds(odd)
+    view = frozen_linear.foldable(odd)
+    assert frozen_linear.folds(view) and view.data_ptr() == odd.data_ptr() and torch.equal(view, odd)
+    transposed = torch.randn(2, S, V).transpose(0, 1)
+    copy = frozen_linear.foldable(transposed)
+    assert frozen_linear.folds(copy) and copy.data_ptr() != transposed.data_ptr() and torch.equal(copy, transposed)
