@@ -6,11 +6,13 @@ All ranks form one tensor-parallel group (TP = world size). Builds the tiny mode
 linear layer (rank 4, alpha 8) beside the same model without, and prints one JSON line with:
 logits of both at init (bit-equal?), which parameters are trainable / in the optimizer / have gradients,
 two Adam policy steps with entropy and KL terms (their metrics), the base weights after them (unchanged?),
-the reference forward (adapters disabled) against the base, and the trained model's response log-probs.
+the reference forward (adapters disabled) against the base, the trained model's response log-probs, and the
+`bmm` calls (input shapes) of the second step, profiled (micro-batch 2: frozen_linear.py).
 Rank 0 writes the merged export to OUT_DIR/merged-tp<world>.safetensors and the PEFT adapter directory to
 OUT_DIR/peft-tp<world>.
 """
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -69,10 +71,12 @@ def main() -> None:
     settings = StepSettings(loss_type="policy_loss", micro_batch_size=2, entropy_coef=0.05, use_kl_loss=True,
                             kl_loss_coef=0.2, kl_loss_type="k3")
     steps = []
-    for _ in range(2):
-        steps.append(train_step(models, optimizer, samples, settings, vocab_size=vocab, arrays=arrays))
+    for step in range(2):
+        with torch.profiler.profile(record_shapes=True) if step else contextlib.nullcontext() as prof:
+            steps.append(train_step(models, optimizer, samples, settings, vocab_size=vocab, arrays=arrays))
         with_grad = sorted(n for n, p in models[0].module.named_parameters()
                            if getattr(p, "main_grad", None) is not None and bool(p.main_grad.abs().sum() > 0))
+    bmm = sorted(str(e.input_shapes) for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::bmm")
     with_state = sorted(names[id(p)] for p, s in optimizer.optimizer.state.items() if s)
     base_params = dict(base[0].named_parameters())
     base_unchanged = all(torch.equal(p, base_params[n]) for n, p in models[0].module.named_parameters()
@@ -90,7 +94,7 @@ def main() -> None:
         "trainable": sorted(n for n, p in models[0].module.named_parameters() if p.requires_grad),
         "in_optimizer": in_optimizer, "with_state": with_state, "with_grad": with_grad,
         "all_params": sorted(names.values()), "base_unchanged": base_unchanged, "b_moved": b_moved,
-        "counts": lora.count_parameters(models), "steps": steps,
+        "counts": lora.count_parameters(models), "steps": steps, "bmm": bmm,
         "log_probs": [v.tolist() for v in trained.log_probs]}), flush=True)
 
 

@@ -38,6 +38,12 @@ def test_only_adapters_train_and_hold_optimizer_state(runs):
     assert one["counts"]["trainable"] < one["counts"]["total"] / 10
 
 
+def test_micro_batch_2_runs_no_batched_gemm(runs):
+    """The frozen output layer's input gradient at micro-batch 2 was a bmm of one GEMM per position (frozen_linear.py)."""
+    one, two, _ = runs
+    assert one["bmm"] == [] and all(rank[0]["bmm"] == [] for rank in two), (one["bmm"], [r[0]["bmm"] for r in two])
+
+
 def test_reference_forward_is_the_frozen_base(runs):
     one, two, _ = runs
     assert one["reference_is_base"] and all(rank[0]["reference_is_base"] for rank in two)
