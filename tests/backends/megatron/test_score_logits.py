@@ -159,7 +159,8 @@ def test_forward_only_needs_no_graph():
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
+@pytest.mark.parametrize("compile_scores", [False, True], ids=["eager", "compiled"])
+def test_cuda_bf16_real_vocabulary_matches_and_keeps_less(compile_scores):
     """On CUDA with Qwen2's 151,936-token vocabulary (padded to 152,064 here), bf16 logits: the same values
     and gradients as the plain formula, and a lower peak than its fp32 copies."""
     if not torch.cuda.is_available():
@@ -178,7 +179,8 @@ def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         if fused:
-            logp, _, entropy = score_logits(logits, batch, vocab_size=vocab, temperature=0.8, with_entropy=True)
+            logp, _, entropy = score_logits(logits, batch, vocab_size=vocab, temperature=0.8, with_entropy=True,
+                                            compile_scores=compile_scores)
         else:
             logp, _, entropy = plain_scores(logits, batch, 0.8, True, vocab=vocab)
         ((logp * up).sum() + (entropy * up).sum()).backward()
@@ -192,9 +194,11 @@ def test_cuda_bf16_real_vocabulary_matches_and_keeps_less():
 
 
 @pytest.mark.gpu
-def test_cuda_batching_and_scoring_never_wait_for_the_gpu():
+@pytest.mark.parametrize("compile_scores", [False, True], ids=["eager", "compiled"])
+def test_cuda_batching_and_scoring_never_wait_for_the_gpu(compile_scores):
     """Building a micro-batch's tensors and scoring its logits issue no GPU->host synchronisation (torch's
-    sync debug mode raises on one): a wait per micro-batch drains the GPU between micro-batches."""
+    sync debug mode raises on one): a wait per micro-batch drains the GPU between micro-batches. Compiled, once
+    warm: the first call compiles (and may benchmark kernels, which waits), later micro-batches must not."""
     if not torch.cuda.is_available():
         pytest.fail("gpu test run without CUDA")
     from slime.backends.megatron.step_data import TrainArrays, build_micro_batch
@@ -204,11 +208,17 @@ def test_cuda_batching_and_scoring_never_wait_for_the_gpu():
                       rollout_log_probs=[-1.0] * (8 - i)) for i in range(3)]
     arrays = TrainArrays(advantages=[0.5, -0.5, 1.0], old_log_probs=[[-1.0] * (8 - i) for i in range(3)])
     logits = torch.randn(3, 20, PADDED, device="cuda", requires_grad=True)
+    warm = build_micro_batch(samples, [0, 1, 2], arrays, pad_token_id=0, device=torch.device("cuda"))
+    logp, _, entropy = score_logits(logits, warm.batch, vocab_size=VOCAB, with_entropy=True,
+                                    compile_scores=compile_scores)
+    (logp.sum() + entropy.sum()).backward()
+    logits.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         micro = build_micro_batch(samples, [0, 1, 2], arrays, pad_token_id=0, device=torch.device("cuda"))
-        logp, _, entropy = score_logits(logits, micro.batch, vocab_size=VOCAB, with_entropy=True)
+        logp, _, entropy = score_logits(logits, micro.batch, vocab_size=VOCAB, with_entropy=True,
+                                        compile_scores=compile_scores)
         (logp.sum() + entropy.sum()).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
