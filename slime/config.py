@@ -318,6 +318,13 @@ class RolloutConfig(_Section):
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     sglang_server_concurrency: int = Field(512, ge=1, description="in-flight requests per engine")
+    rollout_http_timeout_s: float | None = Field(
+        None, gt=0, description="read timeout of a generate request (rollout, eval, rejection sampling): a "
+        "non-streaming /generate is silent until the response is done, so this bounds a generation. None (slime's "
+        "client): no limit here; the router bounds every request (--sglang-router-request-timeout-secs, else "
+        "sglang-router's 1800 s, per attempt, and it retries a timed-out one) and its error fails the sample. "
+        "Refused below the router's request timeout: a cut here is not retried and leaves the engine generating; "
+        "to bound generations lower the router's")
     rollout_function_path: str = "slime.rollout.generate_rollout"
     custom_generate_function_path: str | None = None
     dynamic_sampling_filter_path: str | None = None
@@ -1569,6 +1576,19 @@ def _validate(config: Config, where: dict[str, str]) -> None:
                     check({key: value})
                 except ConfigError as exc:
                     raise ConfigError(f"{where.get(f'{section}.{key}', 'config')}: {exc}") from None
+    if r.rollout_http_timeout_s is not None:
+        from slime.engines.router import request_timeout_s
+
+        try:
+            router_s = request_timeout_s(config.router)
+        except ConfigError as exc:
+            fail("router.request_timeout_secs", str(exc))
+        if r.rollout_http_timeout_s < router_s:
+            fail("rollout.rollout_http_timeout_s", f"{r.rollout_http_timeout_s:g} s is below the router's request "
+                 f"timeout, {router_s:g} s (--sglang-router-request-timeout-secs; sglang-router's default when not "
+                 "given): generations the router allows would be cut here, unretried, while the engine goes on "
+                 "generating. To bound generations lower the router's timeout; unset, this follows it",
+                 "router.request_timeout_secs")
     if config.run.debug_rollout_only and config.run.debug_train_only:
         fail("run.debug_train_only", "debug_rollout_only and debug_train_only exclude each other (slime)",
              "run.debug_rollout_only", "run.load_debug_rollout_data")

@@ -315,3 +315,32 @@ def test_custom_loss_is_refused_when_the_config_is_read_naming_what_to_use():
                                           r"sft_loss.*custom_loss_function_path set at --custom-loss-function-path"):
         load_config(None, ["--loss-type", "custom_loss", "--custom-loss-function-path", "plugins.my_loss"])
     assert load_config(None, ["--loss-type", "sft_loss"]).algorithm.loss_type == "sft_loss"
+
+
+def test_rollout_http_timeout_defaults_to_none_and_is_not_below_the_routers(tmp_path):
+    """None (no client limit: the router bounds a generation); a number must not cut what the router
+    allows: at least --router-request-timeout-secs, else sglang-router's own default."""
+    from sglang_router.router_args import RouterArgs
+
+    from slime.engines.router import ROUTER_REQUEST_TIMEOUT_S
+
+    assert RouterArgs.request_timeout_secs == ROUTER_REQUEST_TIMEOUT_S  # the installed router's default
+    assert load_config(None, []).rollout.rollout_http_timeout_s is None
+    assert load_config(None, ["--rollout-http-timeout-s", "1800"]).rollout.rollout_http_timeout_s == 1800
+    with pytest.raises(ConfigError, match=r"--rollout-http-timeout-s: rollout.rollout_http_timeout_s: 600 s is "
+                                          r"below the router's request timeout, 1800 s \(--sglang-router-request"):
+        load_config(None, ["--rollout-http-timeout-s", "600"])
+    # slime's launcher flag raises the router's bound, and with it the floor
+    with pytest.raises(ConfigError, match=r"7200 s is below the router's request timeout, 14400 s.*"
+                                          r"router.request_timeout_secs set at --sglang-router-request-timeout-secs"):
+        load_config(None, ["--sglang-router-request-timeout-secs", "14400", "--rollout-http-timeout-s", "7200"])
+    # a lower router bound (YAML, the router's own spelling) allows a lower client limit
+    path = _yaml(tmp_path, """
+        rollout:
+          rollout_http_timeout_s: 600
+        router:
+          request-timeout-secs: 300
+    """)
+    assert load_config(path).rollout.rollout_http_timeout_s == 600
+    with pytest.raises(ConfigError, match=r"greater than 0"):
+        load_config(None, ["--rollout-http-timeout-s", "0"])

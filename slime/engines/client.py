@@ -1,12 +1,13 @@
 """The one async HTTP client that rollout code uses to talk to the router and the engines.
 
 A single pooled `aiohttp.ClientSession` (bounded connections, so thousands of concurrent generate
-calls queue for a connection instead of opening thousands of sockets), a per-request timeout, and
-bounded retries with exponential backoff and jitter. Retried: connection failures (refused, connect
-timeout, reset, dropped mid-response) and HTTP 429 / 5xx, which is what a restarting engine or a
-router without a healthy worker answers. Never retried: other 4xx (the request itself is wrong) and
-read timeouts (the engine may still be working on the request). After the last attempt an
-`EngineHTTPError` names the method, URL, status and the start of the body.
+calls queue for a connection instead of opening thousands of sockets), a read timeout (the client's,
+or one given per request: a generate call may take as long as the router allows, an abort or a load
+query should answer at once), and bounded retries with exponential backoff and jitter. Retried:
+connection failures (refused, connect timeout, reset, dropped mid-response) and HTTP 429 / 5xx, which
+is what a restarting engine or a router without a healthy worker answers. Never retried: other 4xx
+(the request itself is wrong) and read timeouts (the engine may still be working on the request).
+After the last attempt an `EngineHTTPError` names the method, URL, status and the start of the body.
 
 Why aiohttp and not httpx: httpcore 1.0.9's pool re-scans every connection for every queued request
 (encode/httpcore#1035, unmerged), so N concurrent requests cost O(N^2) client CPU: 256 concurrent
@@ -26,6 +27,7 @@ import contextlib
 import json as jsonlib
 import logging
 import random
+from types import EllipsisType
 from typing import Any, Self
 
 import aiohttp
@@ -71,7 +73,7 @@ class EngineClient:
 
     def __init__(self, *, max_connections: int = 1024, timeout_s: float | None = 600.0,
                  connect_timeout_s: float = 10.0, max_retries: int = 3, backoff_base_s: float = 0.5,
-                 backoff_max_s: float = 8.0, trust_env: bool = False) -> None:
+                 backoff_max_s: float = 8.0, trust_env: bool = False, timeout_advice: str = "") -> None:
         """
         Args:
             max_connections: pooled connections in all (requests beyond it wait for a free one).
@@ -83,6 +85,8 @@ class EngineClient:
             backoff_base_s, backoff_max_s: delay before retry k (k = 1, 2, ...) is
                 min(backoff_max_s, backoff_base_s * 2**(k-1)), of which a random half is jitter.
             trust_env: honour HTTP(S)_PROXY etc.; off by default since engines are cluster-internal.
+            timeout_advice: appended to the error of a request cut by `timeout_s` (not by a per-request
+                timeout): which setting the caller's user raises.
         """
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -97,35 +101,44 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.trust_env = trust_env
+        self.timeout_advice = timeout_advice
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ public API
-    async def post(self, url: str, json: Any = None) -> Any:
+    async def post(self, url: str, json: Any = None, *, timeout_s: float | None | EllipsisType = ...) -> Any:
         """POST `json` to `url`; the decoded JSON body (a dict for SGLang endpoints) or the text."""
-        return await self.request("POST", url, json=json)
+        return await self.request("POST", url, json=json, timeout_s=timeout_s)
 
-    async def get(self, url: str) -> Any:
+    async def get(self, url: str, *, timeout_s: float | None | EllipsisType = ...) -> Any:
         """GET `url`; the decoded JSON body, or the text when the body is not JSON."""
-        return await self.request("GET", url)
+        return await self.request("GET", url, timeout_s=timeout_s)
 
-    async def delete(self, url: str) -> Any:
+    async def delete(self, url: str, *, timeout_s: float | None | EllipsisType = ...) -> Any:
         """DELETE `url`; the decoded JSON body or the text."""
-        return await self.request("DELETE", url)
+        return await self.request("DELETE", url, timeout_s=timeout_s)
 
-    async def request(self, method: str, url: str, *, json: Any = None) -> Any:
-        """One request with retries; raises EngineHTTPError when the last attempt fails."""
+    async def request(self, method: str, url: str, *, json: Any = None,
+                      timeout_s: float | None | EllipsisType = ...) -> Any:
+        """One request with retries; raises EngineHTTPError when the last attempt fails.
+
+        `timeout_s`: this request's read timeout per attempt (None: no limit); `...`: the client's."""
         self._check_loop()
         data = None if json is None else jsonlib.dumps(json).encode()  # encoded once for every attempt
+        if isinstance(timeout_s, EllipsisType):
+            read_s, timeout = self.timeout_s, None  # the session's
+        else:
+            read_s, timeout = timeout_s, self._timeout(timeout_s)
         attempts = self.max_retries + 1
         for attempt in range(1, attempts + 1):
             try:
-                status, headers, body = await self._attempt(method, url, data)
+                status, headers, body = await self._attempt(method, url, data, timeout)
             except aiohttp.SocketTimeoutError as exc:
+                advice = f"; {self.timeout_advice}" if timeout is None and self.timeout_advice else ""
                 raise EngineHTTPError(
-                    f"{method} {url} timed out (no reply within the read timeout of {self.timeout_s} s); "
-                    "not retried because the server may still be processing it",
+                    f"{method} {url} timed out (no reply within the read timeout of {read_s} s); "
+                    f"not retried because the server may still be processing it{advice}",
                     method=method, url=url) from exc
             except _RETRY_EXCEPTIONS as exc:
                 if attempt == attempts:
@@ -172,11 +185,17 @@ class EngineClient:
         return self._closed
 
     # ------------------------------------------------------------------ internals
-    async def _attempt(self, method: str, url: str, data: bytes | None) -> tuple[int, Any, bytes]:
+    async def _attempt(self, method: str, url: str, data: bytes | None,
+                       timeout: aiohttp.ClientTimeout | None) -> tuple[int, Any, bytes]:
         """One HTTP exchange: status, headers and the whole body."""
         headers = {"Content-Type": "application/json"} if data is not None else None
-        async with self._open().request(method, url, data=data, headers=headers) as response:
+        extra = {} if timeout is None else {"timeout": timeout}
+        async with self._open().request(method, url, data=data, headers=headers, **extra) as response:
             return response.status, response.headers, await response.read()
+
+    def _timeout(self, read_s: float | None) -> aiohttp.ClientTimeout:
+        """No total limit (a pooled connection may be waited for), connect and read per attempt."""
+        return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s, sock_read=read_s)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -184,8 +203,7 @@ class EngineClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
-                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s,
-                                              sock_read=self.timeout_s),
+                timeout=self._timeout(self.timeout_s),
                 trust_env=self.trust_env,
             )
         return self._session

@@ -51,6 +51,10 @@ from slime.errors import ConfigError, EngineError, EngineHTTPError, EngineStartE
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICY = "round_robin"
+# sglang-router's RouterArgs.request_timeout_secs default: how long one attempt of a forwarded request may
+# take when --router-request-timeout-secs is not given (slime passes 14400; here the router keeps its own).
+# 0.3.2 retries an attempt it cut (--router-retry-max-retries): 2 s and a 5 s generate gave HTTP 500 after 10.4 s
+ROUTER_REQUEST_TIMEOUT_S = 1800.0
 
 # Router flags this class sets itself -> what controls them instead.
 RESERVED_ROUTER_ARGS: dict[str, str] = {
@@ -78,6 +82,18 @@ def router_flags() -> frozenset[str] | None:
     parser = argparse.ArgumentParser(add_help=False)
     RouterArgs.add_cli_args(parser, use_router_prefix=False)
     return frozenset(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
+
+
+def request_timeout_s(router_args: Mapping[str, Any]) -> float:
+    """The router's bound on one forwarded request: `request_timeout_secs` of the `router` pass-through
+    (any spelling of the key), else sglang-router's default."""
+    given = next((v for k, v in router_args.items() if flag_key(str(k)) == "request_timeout_secs"), None)
+    if given is None:
+        return ROUTER_REQUEST_TIMEOUT_S
+    try:
+        return float(given)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--router-request-timeout-secs must be a number of seconds, got {given!r}") from None
 
 
 def check_router_args(args: Mapping[str, Any]) -> None:

@@ -229,7 +229,7 @@ async def eval_rollout(args: Any, rollout_id: int) -> RolloutFnEvalOutput:
         check_reward_config(dataset_args(args, ds))
     check_not_written(args, "eval", f"{rollout_id:06d}-summary")
     prompts = {ds.name: load_dataset(args, ds) for ds in datasets}
-    client = engine_client()
+    client = engine_client(args)
     url = router_url(args)
     urls = await worker_urls(client, url)
     if not urls:

@@ -7,6 +7,13 @@ function, the multi-turn helper and user plugins alike, and the rollout closes i
 The router forwards `/generate` but answers 404 for `/abort_request` (research/engines.md), so abort
 goes to every worker URL directly, listed from the router's `GET /workers`; "idle" is read from each
 worker's `GET /get_load` (SGLang and the built-in engine both serve it).
+
+Timeouts: a non-streaming `/generate` sends nothing until the whole response is done, so the client's
+read timeout bounds a generation. It is `rollout_http_timeout_s`, by default None (no limit, as slime's
+client): the router bounds every request it forwards (`--sglang-router-request-timeout-secs` per attempt,
+and its own retries) and a request it gives up on comes back as an HTTP error that the sample reports.
+The control calls here (`/workers`, `/get_load`, `/abort_request`) answer at once from a live server and
+get `CONTROL_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -21,22 +28,47 @@ from slime.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
-_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EngineClient] = weakref.WeakKeyDictionary()
+# a live router or engine answers these at once; a dead one must not hold up an abort for long
+CONTROL_TIMEOUT_S = 30.0
+TIMEOUT_ADVICE = ("for longer generations raise rollout_http_timeout_s (--rollout-http-timeout-s), or leave it "
+                  "unset: no client limit, the router's --sglang-router-request-timeout-secs bounds each request")
+
+# per event loop: {read timeout: client}; one entry unless plugins ask for clients of other settings
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float | None, EngineClient]] = (
+    weakref.WeakKeyDictionary())
 
 
-def engine_client() -> EngineClient:
-    """The shared client of the running event loop (created on first use)."""
-    loop = asyncio.get_running_loop()
-    client = _CLIENTS.get(loop)
-    if client is None or client.closed:
-        client = _CLIENTS[loop] = EngineClient()
+def read_timeout_s(args: Any) -> float | None:
+    """The read timeout of a rollout `/generate` call: `args.rollout_http_timeout_s` (None: no limit)."""
+    given = getattr(args, "rollout_http_timeout_s", None)
+    return None if given is None else float(given)
+
+
+def rollout_client(args: Any, **options: Any) -> EngineClient:
+    """A new `EngineClient` for generate calls, its read timeout from `args` (`read_timeout_s`)."""
+    return EngineClient(timeout_s=read_timeout_s(args), timeout_advice=TIMEOUT_ADVICE, **options)
+
+
+def engine_client(args: Any = None) -> EngineClient:
+    """The shared client of the running event loop (created on first use).
+
+    With `args`, the one whose read timeout is `read_timeout_s(args)`; without (a plugin that has no
+    `args` at hand), the loop's first client, else one with the field's default (no read limit)."""
+    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    for key in [k for k, c in clients.items() if c.closed]:
+        del clients[key]
+    if args is None and clients:
+        return next(iter(clients.values()))
+    timeout = read_timeout_s(args)
+    client = clients.get(timeout)
+    if client is None:
+        client = clients[timeout] = rollout_client(args)
     return client
 
 
 async def close_engine_client() -> None:
-    """Close the running loop's client, if any (the next `engine_client()` makes a new one)."""
-    client = _CLIENTS.pop(asyncio.get_running_loop(), None)
-    if client is not None:
+    """Close the running loop's clients, if any (the next `engine_client()` makes a new one)."""
+    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
         await client.aclose()
 
 
@@ -51,7 +83,7 @@ def router_url(args: Any) -> str:
 
 async def worker_urls(client: EngineClient, url: str) -> list[str]:
     """Every worker registered at the router `url` (healthy or not: an abort must reach them all)."""
-    listing = await client.get(f"{url}/workers")
+    listing = await client.get(f"{url}/workers", timeout_s=CONTROL_TIMEOUT_S)
     return [w["url"].rstrip("/") for w in listing["workers"]]
 
 
@@ -70,15 +102,15 @@ def num_requests(load: Any) -> int:
 
 async def running_requests(client: EngineClient, urls: list[str]) -> dict[str, int]:
     """{worker url: requests it holds}."""
-    loads = await asyncio.gather(*(client.get(f"{u}/get_load") for u in urls))
+    loads = await asyncio.gather(*(client.get(f"{u}/get_load", timeout_s=CONTROL_TIMEOUT_S) for u in urls))
     return {u: num_requests(load) for u, load in zip(urls, loads, strict=True)}
 
 
 async def abort_all(client: EngineClient, urls: list[str]) -> dict[str, BaseException]:
     """`POST /abort_request {"abort_all": true}` on every worker at once; {url: error} of those that
     could not be reached (a dead engine stays listed at the router, marked unhealthy)."""
-    results = await asyncio.gather(*(client.post(f"{u}/abort_request", {"abort_all": True}) for u in urls),
-                                   return_exceptions=True)
+    results = await asyncio.gather(*(client.post(f"{u}/abort_request", {"abort_all": True}, timeout_s=CONTROL_TIMEOUT_S)
+                                     for u in urls), return_exceptions=True)
     failed = {u: r for u, r in zip(urls, results, strict=True) if isinstance(r, BaseException)}
     for u, exc in failed.items():
         if not isinstance(exc, EngineError):

@@ -107,7 +107,7 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
     payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
     if getattr(args, "engine_lora_name", None):  # adapter sync: the engines hold the policy as this adapter
         payload["lora_path"] = args.engine_lora_name
-    return await engine_client().post(f"{router_url(args)}/generate", payload)
+    return await engine_client(args).post(f"{router_url(args)}/generate", payload)
 
 
 def budget_left(sample: Sample, sampling_params: dict[str, Any], args: Any = None) -> int | None:

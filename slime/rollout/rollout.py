@@ -167,7 +167,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         raise ConfigError("rollout needs rollout_batch_size (--rollout-batch-size)")
     over = getattr(args, "over_sampling_batch_size", None) or target
     check_not_written(args, "rollout", f"{rollout_id:06d}")
-    client = engine_client()
+    client = engine_client(args)
     url = router_url(args)
     try:
         urls = await worker_urls(client, url)

@@ -148,7 +148,7 @@ async def drain(state: GenerateState, pending: set[asyncio.Task], urls: list[str
     after `IDLE_TIMEOUT_S`, RolloutEngineError is raised.
     """
     state.aborted = True
-    client = engine_client()
+    client = engine_client(state.args)
     live = list(urls)
     unreachable: set[str] = set()
     groups: list[list[Any]] = []
@@ -193,7 +193,7 @@ async def cancel(state: GenerateState, pending: set[asyncio.Task], urls: list[st
     state.aborted = True
     if urls:
         with contextlib.suppress(Exception):
-            await abort_all(engine_client(), urls)
+            await abort_all(engine_client(state.args), urls)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

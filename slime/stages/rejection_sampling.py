@@ -35,6 +35,7 @@ from slime.config import Config
 from slime.engines.client import EngineClient
 from slime.engines.fleet import policy_hf_dir, serve_policy
 from slime.errors import ConfigError, EngineError
+from slime.rollout.http import rollout_client
 from slime.rollout.rewards import check_reward_config, reward_samples
 from slime.types import Sample, Status
 
@@ -147,7 +148,7 @@ async def generate_and_score(args: Any, router_url: str, prompts: list[Sample], 
                 return
         _fill(args, sample, ids, output)
 
-    async with EngineClient(max_connections=concurrency) as client:
+    async with rollout_client(args, max_connections=concurrency) as client:  # rollout_http_timeout_s
         await asyncio.gather(*(one(client, s, ids) for group, ids in zip(groups, prompt_ids, strict=True)
                                for s in group))
     await reward_samples(args, [s for group in groups for s in group if s.status is not Status.FAILED])

@@ -214,6 +214,29 @@ def test_read_timeout_not_retried(server):
     assert server.hits["/slow"] == 1
 
 
+def test_per_request_timeout_overrides_the_clients_and_only_the_clients_names_the_advice(server):
+    """A generate-style client without a read limit still gives a control call its own short one; the
+    advice (which setting to raise) is for the client's own timeout only."""
+    server.slow_s = 0.8
+
+    async def main():
+        async with _client(max_retries=0, timeout_s=None, timeout_advice="raise the_field") as unlimited:
+            with pytest.raises(EngineHTTPError) as short:
+                await unlimited.get(server.url + "/slow", timeout_s=0.2)
+            waited = await unlimited.get(server.url + "/slow")  # no limit: waits the 0.8 s out
+        async with _client(max_retries=0, timeout_s=0.2, timeout_advice="raise the_field") as limited:
+            with pytest.raises(EngineHTTPError) as own:
+                await limited.post(server.url + "/slow", {})
+            longer = await limited.get(server.url + "/slow", timeout_s=None)  # this request: no limit
+        return short.value, waited, own.value, longer
+
+    short, waited, own, longer = asyncio.run(main())
+    assert "read timeout of 0.2 s" in str(short) and "the_field" not in str(short)
+    assert waited == {"ok": True} and longer == {"ok": True}
+    assert "read timeout of 0.2 s" in str(own) and str(own).endswith("; raise the_field")
+    assert server.hits["/slow"] == 4
+
+
 def test_text_body_and_json_roundtrip(server):
     async def main():
         async with _client() as client:

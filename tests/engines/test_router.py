@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,7 +20,7 @@ from proc_checks import port_free, running
 from slime.engines.client import EngineClient
 from slime.engines.process import find_free_port
 from slime.engines.router import SGLangRouter, broadcast_to_workers, check_router_args
-from slime.errors import ConfigError, EngineError
+from slime.errors import ConfigError, EngineError, EngineHTTPError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -205,6 +206,44 @@ def test_broadcast_reports_failed_workers(stubs):
     assert "failed on 1/2 worker(s)" in str(err.value) and dead in str(err.value)
     assert stubs[0].url + ":" not in str(err.value)
     assert json.loads(stubs[0].bodies["/update_weights_from_disk"][-1])["weight_version"] == "1"
+
+
+class _SlowGenerate(_StubWorker):
+    """`/generate` answered after `server.generate_delay_s`: a generation longer than the router allows."""
+
+    def do_POST(self):
+        if self.path == "/generate":
+            self._record()
+            time.sleep(self.server.generate_delay_s)
+            return self._send(self.server.generate_response)
+        return super().do_POST()
+
+
+def test_router_cuts_each_attempt_at_its_request_timeout_and_retries_it(tmp_path):
+    """What bounds a rollout generation when the client has no read timeout (rollout_http_timeout_s None):
+    the router cuts each attempt at --router-request-timeout-secs, resends the request up to
+    --router-retry-max-retries attempts in all, then answers HTTP 500, which the client reports."""
+    srv = _start_stub("slow", tmp_path)
+    srv.RequestHandlerClass, srv.generate_delay_s = _SlowGenerate, 4.0
+    args = {"request_timeout_secs": 1, "retry_max_retries": 2, "retry_initial_backoff_ms": 10}
+
+    async def main(url):
+        async with EngineClient(timeout_s=None, max_retries=0) as client:
+            await client.post(url + "/generate", {"input_ids": [1, 2], "sampling_params": {}})
+
+    try:
+        with SGLangRouter(worker_urls=[srv.url], router_args=args, log_path=tmp_path / "router.log") as router:
+            router.wait_workers_healthy(1, timeout_s=30)
+            started = time.perf_counter()
+            with pytest.raises(EngineHTTPError) as err:
+                asyncio.run(main(router.url))
+            elapsed = time.perf_counter() - started
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert err.value.status == 500 and "call_upstream_request_error" in err.value.body
+    assert srv.hits[("POST", "/generate")] == 2  # the cut attempt was sent again
+    assert 2.0 <= elapsed < 4.0  # two 1 s attempts, not the worker's 4 s
 
 
 def test_router_command_and_flag_validation(tmp_path):

@@ -109,3 +109,11 @@ def my_rollout(args, rollout_id, data_source, evaluation=False):
 
 def rollout_missing_data_source(args, rollout_id):
     return None
+
+
+async def generate_pretokenized(args, sample: Sample, sampling_params):
+    """The default generate for samples that arrive with prompt tokens: no tokenizer (hf_checkpoint) needed."""
+    from slime.rollout.generate import generate
+
+    assert sample.tokens, "generate_pretokenized expects samples with tokens"
+    return await generate(args, sample, sampling_params)
