@@ -110,3 +110,17 @@ def test_engine_flag_turns_the_compiled_sampler_off():
     args = engine_args_from(build_parser().parse_args(["--model", "m", "--disable-sampler-compile"]))
     assert args.disable_sampler_compile
     assert not engine_args_from(build_parser().parse_args(["--model", "m"])).disable_sampler_compile
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_bf16_logits_draw_what_their_fp32_upcast_draws(compiled):
+    """The slot decoder hands the step's logits in the model's dtype (no fp32 copy): the sampler upcasts them
+    itself, so a bf16 step draws exactly what its fp32 upcast would, on every path."""
+    logits, temperatures, top_ps, top_ks, uniforms = inputs(6, 2503, seed=3, scaled=True)
+    half = logits.to(torch.bfloat16)
+    for top_p in (1.0, 0.7):  # the common path, and the truncated one (eager always)
+        params = (temperatures, torch.full((6,), top_p), top_ks, uniforms)
+        want = sample(half.float(), *params)
+        got = sample(half, *params, compiled=compiled)
+        assert torch.equal(got[0], want[0]) and got[1].dtype == torch.float32
+        assert (got[1] - want[1]).abs().max().item() < 1e-5

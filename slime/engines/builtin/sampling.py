@@ -126,7 +126,8 @@ def sample(
     """Draw one token per row and return (tokens [B], log-probs [B]) under the used distribution.
 
     Args:
-        logits: [B, V] float32, already masked where tokens are banned (min_new_tokens).
+        logits: [B, V] float32 or the model's dtype (read in float32: a bf16 step's logits are upcast
+            inside the compiled draw instead of copied first), already masked where tokens are banned.
         temperatures, top_ps: [B] float32; top_ks: [B] int64 (-1 = off).
         uniforms: [B] float64 in [0, 1), one per row, from each request's own random stream.
         compiled: run the common path (`plain_draw`: no top-k / top-p, no greedy row, two rows or more)
@@ -147,6 +148,7 @@ def sample(
         # only what the draw reads goes to the device (at T = 1 everywhere: the uniforms alone)
         scale = None if unscaled else temperatures.to(logits.device, non_blocking=True)
         return draw(logits, uniforms.to(logits.device, non_blocking=True), scale)
+    logits = logits.float()
     temperatures, top_ps, top_ks, uniforms = (t.to(logits.device, non_blocking=True)
                                               for t in (temperatures, top_ps, top_ks, uniforms))
     greedy = temperatures == 0
@@ -182,6 +184,7 @@ def plain_draw(logits: torch.Tensor, uniforms: torch.Tensor,
         # the vocabulary is fixed for an engine: a constant in the graph, so `_block_size` runs once
         # while tracing (symbolic, its divisor search would guard on V % d for every candidate d)
         torch._dynamo.mark_static(logits, 1)
+    logits = logits.float()  # a bf16 step's logits: upcast here (compiled: fused into the log-softmax's read)
     scaled = logits if temperatures is None else logits / temperatures.unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=1)
     tokens = inverse_cdf(logprobs.exp(), uniforms)

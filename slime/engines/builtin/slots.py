@@ -158,13 +158,16 @@ class SlotDecoder:
     # ------------------------------------------------------------------ decode
 
     def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """Logits [B, V] (float32) for feeding `tokens[i]` at `positions[i]` of slot i, i < B."""
+        """Logits [B, V] for feeding `tokens[i]` at `positions[i]` of slot i, i < B, in the model's dtype: the
+        sampler reads them in fp32 (compiled, inside its own kernels), so no fp32 copy of the step's logits is
+        made here. On CUDA they are a view of the graph's output, valid until the next replay: the sampler's
+        kernels are queued before it on the same stream (as for an fp32 model, whose `.float()` was a view)."""
         batch = len(positions)
         length = next(b for b in self.length_buckets if b > max(positions))
         self.tokens[:batch] = tokens
         self.positions[:batch] = torch.tensor(positions, dtype=torch.long)
         if not self.cuda_graphs:
-            return self._step(batch, length).float()
+            return self._step(batch, length)
         bucket = next(b for b in self.batch_buckets if b >= batch)
         self.tokens[batch:] = 0
         self.positions[batch:] = 0  # free slots: their writes land at position 0 and are never read
@@ -172,7 +175,7 @@ class SlotDecoder:
             self._capture_all()
         graph, logits = self._graphs[(bucket, length)]
         graph.replay()
-        return logits[:batch].float()
+        return logits[:batch]
 
     def _capture_all(self) -> None:
         """Capture every (batch bucket, length bucket) graph at the first decode, largest first (they
