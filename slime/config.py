@@ -823,15 +823,19 @@ class Config(BaseModel):
         return self._sources.get(dotted)
 
     def section_hash(self, *sections: str) -> str:
-        """sha256 of the canonical JSON of the named sections (all of them when none is named).
+        """sha256 of the canonical JSON of the named sections (all of them when none is named), each with the
+        values set away from their defaults.
 
-        Stable across processes and key order; any changed value changes it.
+        Stable across processes and key order; any changed value changes it. Fields left at their defaults are
+        not in it, so a later version that adds a field with a default (or a config that spells a default
+        out) keeps the hash, and a committed output keyed by it (rejection sampling's) stays reusable. Hashes
+        of this project before 2026-11-26 covered every field.
         """
         names = sections or tuple(type(self).model_fields)
         for name in names:
             if name not in type(self).model_fields:
                 raise ConfigError(f"unknown config section {name!r}; sections: {list(type(self).model_fields)}")
-        payload = {name: _dump(getattr(self, name)) for name in names}
+        payload = {name: _set_values(getattr(self, name)) for name in names}
         return stable_hash(payload)
 
     def sglang_arg(self, name: str) -> Any:
@@ -938,8 +942,9 @@ def reference_markdown() -> str:
 # ----------------------------------------------------------------------------- hashing
 
 
-def _dump(value: Any) -> Any:
-    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+def _set_values(value: Any) -> Any:
+    """A section as JSON with only its values set away from their defaults (a dict section: all of it)."""
+    return value.model_dump(mode="json", exclude_defaults=True) if isinstance(value, BaseModel) else value
 
 
 def stable_hash(payload: Any) -> str:

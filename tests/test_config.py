@@ -182,6 +182,19 @@ def test_section_hash_is_stable_and_sensitive(tmp_path):
         a.section_hash("rollouts")
 
 
+def test_section_hash_ignores_values_left_at_their_defaults(tmp_path):
+    """Only values set away from their defaults are hashed: a config that spells a default out, or a later
+    version that adds a field with a default, keeps the hash of what is committed under it (rejection
+    sampling's reusable output); a changed value still changes it."""
+    plain = load_config(None, ["--rollout-batch-size", "8"])
+    spelled = load_config(_yaml(tmp_path, "rollout:\n  rollout_batch_size: 8\n  rollout_temperature: 1.0\n"
+                                          "  rollout_http_timeout_s: null\ntrain:\n  compile_scores: null\n"))
+    assert spelled.rollout.rollout_temperature == type(spelled.rollout)().rollout_temperature  # a default
+    assert plain.section_hash("rollout", "train") == spelled.section_hash("rollout", "train")
+    hotter = load_config(None, ["--rollout-batch-size", "8", "--rollout-temperature", "0.7"])
+    assert hotter.section_hash("rollout") != plain.section_hash("rollout")
+
+
 def test_require_lists_every_missing_field():
     with pytest.raises(ConfigError, match=r"stage 'rl' needs: rollout.rollout_batch_size \(--rollout-batch-size\), "
                                           r"data.prompt_data \(--prompt-data\)"):

@@ -193,8 +193,9 @@ def run_rejection_sampling(config: Config) -> dict[str, Any]:
     candidates_uri = store.uri(config.run.run_id, STAGE, f"{rs.rs_output_name}-candidates")
     config_hash = _config_hash(config)
     manifest = reusable_manifest(out_uri, config_hash, "{uri} is already committed by a different "
-                                 "rejection-sampling config; set another rs_output_name or run_id",
-                                 store.storage_options)
+                                 "rejection-sampling config (or by this project before 2026-11-26, whose config "
+                                 "hash covered fields left at their defaults); set another rs_output_name or "
+                                 "run_id", store.storage_options)
     if manifest is not None:
         logger.info("rejection sampling output %s is committed already: reusing it", out_uri)
         return {**manifest.metadata["summary"], "output": out_uri, "candidates": candidates_uri, "reused": True}
