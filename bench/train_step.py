@@ -73,6 +73,10 @@ def main() -> None:
     parser.add_argument("--compile-scores", action=argparse.BooleanOptionalAction, default=None,
                         help="train.compile_scores: the log-softmax over the vocabulary torch.compile'd (default: "
                              "on under CUDA with Triton); --no-compile-scores for the eager kernels")
+    parser.add_argument("--log-probs-max-tokens", type=int, default=None, metavar="N",
+                        help="--loss grpo: the forward-only log-prob passes packed by tokens, N per micro-batch (the "
+                             "train actor's --use-dynamic-batch-size --log-probs-max-tokens-per-gpu N; training "
+                             "here keeps --micro-batch)")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
     parser.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
@@ -88,6 +92,8 @@ def main() -> None:
     megatron = megatron_options(args.megatron)
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs CUDA")
+    if args.log_probs_max_tokens is not None and args.loss != "grpo":
+        raise SystemExit("--log-probs-max-tokens needs --loss grpo (it packs the forward-only log-prob passes)")
     if args.reuse_log_probs and args.loss != "grpo":
         raise SystemExit("--reuse-log-probs needs --loss grpo (it skips the old-policy log-prob pass)")
     if args.loss == "grpo" and args.lora_rank:
@@ -137,7 +143,8 @@ def main() -> None:
             start = time.perf_counter()
             arrays = None
             if grpo:
-                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size)
+                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size,
+                                     args.log_probs_max_tokens)
                 torch.cuda.synchronize()
                 logprob_s = time.perf_counter() - start
             metrics = train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
@@ -158,6 +165,7 @@ def main() -> None:
             "global_batch": args.global_batch, "micro_batch": args.micro_batch, "step_s": round(step_s, 4),
             "steps": args.steps, "lora_rank": args.lora_rank, "log_probs_chunk_size": args.log_probs_chunk_size,
             "megatron": megatron, "reuse_log_probs": args.reuse_log_probs,
+            "log_probs_max_tokens": args.log_probs_max_tokens,
             "trainable_params": count_parameters(models)["trainable"], "tokens_per_s": round(tokens_per_s),
             **mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens_per_s,
                          peak_tflops=args.peak_tflops,
@@ -169,8 +177,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name()}), flush=True)
         if args.profile:
             def step(samples: list[Sample] = samples, advantages: list[float] = advantages) -> None:
-                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size) \
-                    if grpo else None
+                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size,
+                                     args.log_probs_max_tokens) if grpo else None
                 train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             print_profile(step, args.profile)
 
@@ -197,15 +205,16 @@ def megatron_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module], samples: list[Any],
-                advantages: list[float], settings: Any, vocab_size: int) -> Any:
+                advantages: list[float], settings: Any, vocab_size: int, max_tokens: int | None = None) -> Any:
     """What the train actor computes before a GRPO step: old-policy (unless `settings.reuse_log_probs`) and
-    reference log-probs (forward only)."""
+    reference log-probs (forward only); `max_tokens`: those passes packed by tokens (dynamic batch size)."""
     from slime.backends.megatron.logprobs import compute_log_probs
     from slime.backends.megatron.step_data import TrainArrays
 
     batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
                     chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature,
-                    compile_scores=settings.compile_scores)
+                    compile_scores=settings.compile_scores, use_dynamic_batch_size=max_tokens is not None,
+                    max_tokens_per_gpu=max_tokens)
     old = None if settings.reuse_log_probs else compute_log_probs(models, samples, **batching).log_probs
     return TrainArrays(advantages=advantages, old_log_probs=old,
                        ref_log_probs=compute_log_probs(ref_models, samples, **batching).log_probs)

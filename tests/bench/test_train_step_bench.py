@@ -27,6 +27,7 @@ def test_grpo_step_pieces(tiny_kit):
     assert recomputed["has_old"] and not reused["has_old"], row
     for key in ("loss", "grad_norm", "pg_loss"):
         assert reused[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-7), key
+    assert row["packed_gap"] < 1e-5, row  # --log-probs-max-tokens: packed passes, the same log-probs
 
 
 def test_megatron_options_are_read_as_the_config_reads_them():

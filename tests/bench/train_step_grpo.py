@@ -47,6 +47,11 @@ def main() -> None:
         metrics = train_step(models, optimizer, samples, settings, vocab_size=vocab, arrays=arrays)
         rows.append({"old_vs_direct": (old - direct).abs().max().item(), "old_vs_ref": (old - ref).abs().max().item(),
                      "kl_loss": metrics["kl_loss"], "grad_norm": metrics["grad_norm"]})
+    # --log-probs-max-tokens: the forward-only passes packed by tokens give the same log-probs
+    fixed = grpo_arrays(models, ref_models, samples, [1.0, -1.0, 0.5, -0.5], settings, vocab)
+    packed = grpo_arrays(models, ref_models, samples, [1.0, -1.0, 0.5, -0.5], settings, vocab, 70)  # 4 per micro-batch, not 2
+    packed_gap = max((torch.stack(getattr(packed, k)) - torch.stack(getattr(fixed, k))).abs().max().item()
+                     for k in ("old_log_probs", "ref_log_probs"))
     ref_trainable = sum(p.requires_grad for m in ref_models for p in m.parameters())
     for group in optimizer.param_groups:  # both steps below start from the same weights
         group["lr"] = 0.0
@@ -57,7 +62,8 @@ def main() -> None:
         metrics = train_step(models, optimizer, samples, step_settings, vocab_size=vocab, arrays=arrays)
         reuse[str(flag).lower()] = {"has_old": arrays.old_log_probs is not None, "loss": metrics["loss"],
                                     "grad_norm": metrics["grad_norm"], "pg_loss": metrics["pg_loss"]}
-    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable, "reuse": reuse}), flush=True)
+    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable, "reuse": reuse, "packed_gap": packed_gap}),
+          flush=True)
 
 
 if __name__ == "__main__":
