@@ -224,3 +224,22 @@ def test_cuda_batching_and_scoring_never_wait_for_the_gpu(compile_scores):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert micro.batch.host_response_lengths == (8, 7, 6) and logits.grad is not None
+
+
+def test_a_failed_compilation_names_the_option_that_turns_it_off(monkeypatch):
+    """Where inductor cannot build the kernels (no compiler, a Triton error), the failure says to set
+    train.compile_scores: false instead of a compiler traceback alone."""
+    from torch._inductor.exc import InductorError
+
+    from slime.backends.megatron import score_kernels
+    from slime.errors import ConfigError
+
+    def broken(*args, **kwargs):
+        raise InductorError(RuntimeError("no C++ compiler"), "compile failed")
+
+    monkeypatch.setattr(score_kernels, "_compiled", None)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
+    batch = make_batch(True)
+    logits = torch.randn(*batch.tokens.shape, PADDED)
+    with pytest.raises(ConfigError, match="compile_scores: false"):
+        score_logits(logits, batch, vocab_size=VOCAB, compile_scores=True)
