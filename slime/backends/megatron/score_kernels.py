@@ -18,11 +18,10 @@ config says otherwise (`train.compile_scores`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from slime.errors import ConfigError
+from slime.compiled import compiled as compiled_fn
 
 ChunkForward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 ChunkBackward = Callable[..., torch.Tensor]
@@ -72,25 +71,9 @@ def kernels(compiled: bool) -> tuple[ChunkForward, ChunkBackward]:
     if not compiled:
         return chunk_forward, chunk_backward
     if _compiled is None:
-        _compiled = (_explained(torch.compile(chunk_forward, dynamic=True)),
-                     _explained(torch.compile(chunk_backward, dynamic=True)))
+        off = "set train.compile_scores: false (--compile-scores false) for the eager kernels"
+        _compiled = (compiled_fn(chunk_forward, off, dynamic=True), compiled_fn(chunk_backward, off, dynamic=True))
     return _compiled
-
-
-def _explained(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """`compiled`, whose compilation failure (inductor, Triton) says which option turns it off."""
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import InductorError
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return compiled(*args, **kwargs)
-        except (BackendCompilerFailed, InductorError) as exc:
-            raise ConfigError("train.compile_scores: torch.compile could not build the scoring kernels here "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); set "
-                              "train.compile_scores: false (--compile-scores false) for the eager kernels") from exc
-
-    return call
 
 
 def use_compiled(choice: bool | None, device: torch.device) -> bool:

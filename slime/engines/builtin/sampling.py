@@ -199,7 +199,10 @@ def compiled_draw() -> Any:
     CPU: 4 generated kernels, plus aten's cumsum and searchsorted twice each, against ~20 eager). Same
     operations as eager: the same tokens for the same uniforms unless a uniform falls within float
     rounding of a cumulative boundary, log-probs equal to float rounding."""
-    return torch.compile(plain_draw, dynamic=True)
+    from slime.compiled import compiled
+
+    return compiled(plain_draw, "start the engine with --disable-sampler-compile for the eager sampler",
+                    dynamic=True)
 
 
 _BLOCK = 1024
