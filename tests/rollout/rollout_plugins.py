@@ -18,8 +18,12 @@ async def rm_one(args, sample: Sample) -> float:
     return 1.0
 
 
-async def rm_raises_on_index_1_mod_4(args, sample: Sample) -> float:
-    if sample.index % 4 == 1:
+async def rm_raises_on_index_1_mod_8(args, sample: Sample) -> float:
+    """Fails one group in four (two samples a group): failed groups never come four in a row, which would stop
+    the step (`max(rollout_batch_size, over_sampling_batch_size)` = 4 failures in a row raise), whatever order
+    the groups finish in. One in two (index % 4) could: a run where four failing groups finished before the
+    good ones between them failed the test."""
+    if sample.index % 8 == 1:
         raise ValueError(f"grader crashed on sample {sample.index}")
     return 1.0
 

@@ -91,14 +91,14 @@ def test_over_sampling_filter_and_abort_keep_exactly_the_batch(cluster, make_arg
 
 
 def test_reward_exception_fails_its_group_and_counts_balance(make_args, tiny_kit, tmp_path):
-    args = make_args(rollout_batch_size=4, custom_rm_path="rollout_plugins.rm_raises_on_index_1_mod_4",
+    args = make_args(rollout_batch_size=4, custom_rm_path="rollout_plugins.rm_raises_on_index_1_mod_8",
                      run_id="rm-error", store=str(tmp_path / "store"))
     data_source = source(tiny_kit, args)
     out = generate_rollout(args, 3, data_source)
     m = out.metrics
     assert len(out.samples) == 4
     assert all(s.status is not Status.FAILED and s.reward == 1.0 for g in out.samples for s in g)
-    assert all(g[1].index % 4 != 1 for g in out.samples)
+    assert all(g[1].index % 8 != 1 for g in out.samples)
     assert m["rollout/groups/failed"] >= 1 and m["rollout/samples/failed"] == m["rollout/groups/failed"]
     assert balanced(m), m
     dropped = read_samples(m["rollout/uri"].replace("/rollout/", "/rollout_dropped/"))
