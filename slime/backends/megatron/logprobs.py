@@ -241,11 +241,7 @@ def _unscored_zeroed(logits: torch.Tensor, starts: tuple[int, ...], lengths: tup
     zeroing it all first, when the chunks cover nearly all of it (SFT: every position but the last)."""
     grad = torch.empty_like(logits)
     seq = logits.shape[1]
-    if len(set(starts)) == 1 and len(set(lengths)) == 1:
-        spans = [(slice(None), starts[0] if starts else 0, lengths[0] if lengths else 0)]
-    else:
-        spans = [(slice(b, b + 1), s, n) for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
-    for rows, start, length in spans:
+    for rows, start, length, _ in _row_spans(starts, lengths):
         start = min(max(start, 0), seq) if length > 0 else seq  # a row with nothing scored: all zero
         grad[rows, :start].zero_()
         grad[rows, start + max(length, 0):].zero_()
@@ -254,15 +250,18 @@ def _unscored_zeroed(logits: torch.Tensor, starts: tuple[int, ...], lengths: tup
     return grad
 
 
+def _row_spans(starts: tuple[int, ...], lengths: tuple[int, ...]) -> list[tuple[slice, int, int, int]]:
+    """(rows, first logits position, length, row count) of each scoring range: all rows together when they
+    share start and length (one view of the logits), else row by row."""
+    if len(set(starts)) == 1 and len(set(lengths)) == 1:
+        return [(slice(None), starts[0], lengths[0], len(starts))]
+    return [(slice(b, b + 1), s, n, 1) for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
+
+
 def _chunks(starts: tuple[int, ...], lengths: tuple[int, ...], vocab_size: int,
             chunk_size: int) -> Iterator[tuple[slice, int, int, int]]:
-    """(rows, first logits position, first response step, steps) of each chunk: all rows together when
-    they share start and length (one view of the logits), else row by row."""
-    if len(set(starts)) == 1 and len(set(lengths)) == 1:
-        groups = [(slice(None), starts[0], lengths[0], len(starts))]
-    else:
-        groups = [(slice(b, b + 1), s, n, 1) for b, (s, n) in enumerate(zip(starts, lengths, strict=True))]
-    for rows, start, length, count in groups:
+    """(rows, first logits position, first response step, steps) of each chunk of each `_row_spans` range."""
+    for rows, start, length, count in _row_spans(starts, lengths):
         step = chunk_size if chunk_size > 0 else max(1, CHUNK_ELEMENTS // (count * vocab_size))
         for i in range(0, length, step):
             yield rows, start, i, min(step, length - i)

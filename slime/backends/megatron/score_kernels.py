@@ -17,6 +17,7 @@ config says otherwise (`train.compile_scores`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,13 +28,17 @@ ChunkForward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
 ChunkBackward = Callable[..., torch.Tensor]
 
 
+def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z: an fp32 copy of a logits chunk, divided by the temperature."""
+    z = chunk.to(torch.float32, copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 def chunk_forward(chunk: torch.Tensor, targets: torch.Tensor, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """From logits `[rows, n, V]` (any float dtype) and target ids `[rows, n]`: log p(target), log Z and, with
     `with_entropy`, E_p[z], where z = logits / T in fp32 and Z = sum exp(z)."""
-    z = chunk.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        z = z.div_(temperature)
+    z = _scaled(chunk, temperature)
     log_z = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     mean_z = (torch.exp(z - log_z.unsqueeze(-1)) * z).sum(dim=-1) if with_entropy else None
@@ -45,9 +50,7 @@ def chunk_backward(chunk: torch.Tensor, targets: torch.Tensor, log_z: torch.Tens
                    temperature: float) -> torch.Tensor:
     """The gradient of the chunk's logits, in their dtype: with p = exp(z - log Z),
     (g_logp * (onehot(target) - p) + g_H * p * (E_p[z] - z)) / T."""
-    z = chunk.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        z = z.div_(temperature)
+    z = _scaled(chunk, temperature)
     p = torch.exp(z - log_z.unsqueeze(-1))
     g = torch.zeros_like(p)
     if grad_entropy is not None:  # dH/dz = p (E_p[z] - z)
@@ -61,19 +64,17 @@ def chunk_backward(chunk: torch.Tensor, targets: torch.Tensor, log_z: torch.Tens
     return g.to(chunk.dtype)
 
 
-_compiled: tuple[ChunkForward, ChunkBackward] | None = None
-
-
 def kernels(compiled: bool) -> tuple[ChunkForward, ChunkBackward]:
-    """The (forward, backward) pair: eager, or compiled once per process with dynamic shapes (the chunk's rows
-    and positions change from batch to batch; they must not recompile)."""
-    global _compiled
-    if not compiled:
-        return chunk_forward, chunk_backward
-    if _compiled is None:
-        off = "set train.compile_scores: false (--compile-scores false) for the eager kernels"
-        _compiled = (compiled_fn(chunk_forward, off, dynamic=True), compiled_fn(chunk_backward, off, dynamic=True))
-    return _compiled
+    """The (forward, backward) pair: eager, or compiled (`compiled_kernels`)."""
+    return compiled_kernels() if compiled else (chunk_forward, chunk_backward)
+
+
+@functools.cache
+def compiled_kernels() -> tuple[ChunkForward, ChunkBackward]:
+    """The pair compiled once per process with dynamic shapes (the chunk's rows and positions change from batch
+    to batch; they must not recompile), as the engine's `sampling.compiled_draw`."""
+    off = "set train.compile_scores: false (--compile-scores false) for the eager kernels"
+    return compiled_fn(chunk_forward, off, dynamic=True), compiled_fn(chunk_backward, off, dynamic=True)
 
 
 def use_compiled(choice: bool | None, device: torch.device) -> bool:

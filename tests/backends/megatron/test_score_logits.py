@@ -237,9 +237,12 @@ def test_a_failed_compilation_names_the_option_that_turns_it_off(monkeypatch):
     def broken(*args, **kwargs):
         raise InductorError(RuntimeError("no C++ compiler"), "compile failed")
 
-    monkeypatch.setattr(score_kernels, "_compiled", None)
+    score_kernels.compiled_kernels.cache_clear()
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
     batch = make_batch(True)
     logits = torch.randn(*batch.tokens.shape, PADDED)
-    with pytest.raises(ConfigError, match="compile_scores: false"):
-        score_logits(logits, batch, vocab_size=VOCAB, compile_scores=True)
+    try:
+        with pytest.raises(ConfigError, match="compile_scores: false"):
+            score_logits(logits, batch, vocab_size=VOCAB, compile_scores=True)
+    finally:
+        score_kernels.compiled_kernels.cache_clear()  # not the broken pair for later tests
