@@ -13,6 +13,7 @@ on the frozen base (docs/lora.md), the launch-bound case graphs are for.
 """
 
 import json
+import statistics
 import sys
 
 import torch
@@ -49,6 +50,23 @@ def samples(vocab: int, length: int, seed: int) -> list[Sample]:
                    response_length=length // 2) for i in range(4 * MICRO)]
 
 
+def step_grads(models: list) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient of the step just taken (megatron DDP's `main_grad`, still holding it
+    until the next step zeroes it), divided by the norm of them all, so that a factor every gradient of a run
+    shares (clipping scales them in place) drops out of a comparison between runs."""
+    grads = {name: param.main_grad.detach().float().cpu()
+             for name, param in models[0].named_parameters() if param.requires_grad}
+    total = torch.stack([g.norm() for g in grads.values()]).norm()
+    return {name: g / total for name, g in grads.items()}
+
+
+def grad_gaps(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter, |a - b| / |b| of the normalised gradients: bf16 rounding moves it by ~1e-2 at most, a
+    gradient missing, counted twice or taken from stale memory by ~1 or more."""
+    assert a.keys() == b.keys()
+    return {name: ((a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-30)).item() for name in b}
+
+
 def run(hf_dir: str, mode: str, megatron: dict) -> dict:
     init_megatron(seed=0, megatron=megatron)
     bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
@@ -59,13 +77,15 @@ def run(hf_dir: str, mode: str, megatron: dict) -> dict:
     batch = samples(vocab, 64, seed=0)
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=MICRO)
     losses, norms, replays = [], [], []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         before = REPLAYS[0]
         metrics = train_step(models, optimizer, batch, settings, vocab_size=vocab)
         torch.cuda.synchronize()
         losses.append(metrics["sft_loss"])
         norms.append(metrics["grad_norm"])
         replays.append(REPLAYS[0] - before)
+        if step == 1:  # the first replayed step, from the weights the eager first step left: identical in every run
+            grads = step_grads(models)
     before = REPLAYS[0]
     logp = compute_log_probs(models, batch, vocab_size=vocab, micro_batch_size=MICRO).log_probs
     refused = None
@@ -76,10 +96,15 @@ def run(hf_dir: str, mode: str, megatron: dict) -> dict:
     # TransformerBlock holds a manager too under cuda_graph_impl=local, used only for inference decode with
     # cuda_graph_scope=full_iteration (never in training): count the transformer layers' managers
     layers = [m for m in models[0].modules() if isinstance(m, TransformerLayer) and hasattr(m, "cudagraph_manager")]
-    return {"losses": losses, "grad_norms": norms, "replays": replays, "logprob_replays": REPLAYS[0] - before,
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "replays": replays, "logprob_replays": REPLAYS[0] - before,
             "log_probs": torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in logp]), "refused": refused,
             "graph_layers": len(layers), "enabled": cuda_graphs.enabled(models),
             "layers": bridge.hf_config.num_hidden_layers}
+
+
+def worst(gaps: dict[str, float], count: int = 5) -> dict[str, float]:
+    """The `count` largest gaps by parameter name."""
+    return dict(sorted(gaps.items(), key=lambda item: -item[1])[:count])
 
 
 def main() -> None:
@@ -98,6 +123,9 @@ def main() -> None:
         "plain_grad_norms": plain["grad_norms"], "graph_grad_norms": graphed["grad_norms"],
         "loss_gap": gap(graphed, plain, "losses"), "rerun_loss_gap": gap(again, plain, "losses"),
         "norm_gap": gap(graphed, plain, "grad_norms"), "rerun_norm_gap": gap(again, plain, "grad_norms"),
+        "param_grad_gaps": worst(grad_gaps(graphed["grads"], plain["grads"])),
+        "rerun_param_grad_gaps": worst(grad_gaps(again["grads"], plain["grads"])),
+        "median_param_grad_gap": statistics.median(grad_gaps(graphed["grads"], plain["grads"]).values()),
         "first_loss_gap": abs(graphed["losses"][0] - plain["losses"][0]) / abs(plain["losses"][0]),
         "replays": graphed["replays"], "plain_replays": plain["replays"],
         "logprob_replays": graphed["logprob_replays"],
