@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3C
 
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
-from slime.engines.builtin.slots import SlotDecoder
+from slime.engines.builtin.slots import SlotDecoder, add_rms_norm, silu_mul
 
 CPU = torch.device("cpu")
 UNEQUAL = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [9], [12, 13, 14, 15, 16, 17]]
@@ -86,6 +86,33 @@ def test_slot_prefill_then_decode_scores_like_a_full_forward(tiny_kit):
             full = model(torch.tensor([prompt + tokens])).logits[0, -2:]
             for s in range(2):
                 torch.testing.assert_close(steps[s][row + 1], full[s], rtol=0, atol=1e-5)
+
+
+def test_compiled_elementwise_kernels_serve_prefill_and_decode_shapes(tiny_kit):
+    """On CUDA the add+RMSNorm, rotary and SiLU x up run compiled (dynamic shapes), and the prefill calls them
+    with [R, W, ...] shapes the decode step never has (W > 1, rotary tables of batch 1). Compiled here with
+    inductor's C++ backend, as `SlotDecoder.__init__` does on CUDA: the same logits and caches as eagerly, for
+    several prefill groups (one row, one token) and the decode steps after them."""
+    model = build(tiny_kit, "qwen3")
+    projections = ProjectionFusion(model)
+    eager, fused = (SlotDecoder(model, slots=8, max_len=32, device=CPU, cuda_graphs=False, projections=projections)
+                    for _ in range(2))
+    fused.fused = True  # what cuda_graphs=True sets on CUDA
+    fused._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
+    fused._rotate = torch.compile(fused._rotate, dynamic=True)
+    fused._silu_mul = torch.compile(silu_mul, dynamic=True)
+    groups = [(UNEQUAL, 0), ([[1, 2, 3, 4, 5, 6, 7]], 4), ([[40]], 5), ([[1, 2], [3, 4]], 6)]
+    with torch.inference_mode():
+        for prompts, first in groups:
+            torch.testing.assert_close(fused.prefill(prompts, first), eager.prefill(prompts, first), rtol=0, atol=1e-5)
+        lengths = [len(p) for prompts, _ in groups for p in prompts]
+        for step in range(2):
+            tokens = torch.arange(len(lengths)) + 7
+            positions = [n + step for n in lengths]
+            torch.testing.assert_close(fused.decode(tokens, positions), eager.decode(tokens, positions),
+                                       rtol=0, atol=1e-5)
+    for a, b in zip(eager.keys + eager.values, fused.keys + fused.values, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
 
 
 def test_slot_prefill_refuses_what_the_cache_cannot_hold(tiny_kit):
