@@ -136,19 +136,21 @@ def engines(tiny_kit):
 
 
 def _generate(engine, prompts_first, prompts_late, temperature):
-    """A group of unequal prompts, then (once it decodes) a second group into the slots after it."""
-    def body(prompt, n):
-        return {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": temperature, "sampling_seed": sum(prompt),
-                                    "ignore_eos": True}}
+    """A group of unequal prompts, then (once it decodes) a second group into the slots after it. Each group is
+    one batched body, so its requests are submitted together and admitted as one group however loaded the
+    machine is."""
+    def body(prompts, new_tokens):
+        return {"input_ids": prompts, "return_logprob": True,
+                "sampling_params": [{"max_new_tokens": new_tokens + 3 * i, "temperature": temperature,
+                                     "sampling_seed": sum(p), "ignore_eos": True} for i, p in enumerate(prompts)]}
 
     async def go():
-        first = [asyncio.ensure_future(engine.generate(body(p, 14 + 3 * i))) for i, p in enumerate(prompts_first)]
+        first = asyncio.ensure_future(engine.generate(body(prompts_first, 14)))
         start = engine.scheduler.steps
         while engine.scheduler.steps < start + 3:
             await asyncio.sleep(0.002)
-        late = [engine.generate(body(p, 8)) for p in prompts_late]
-        return await asyncio.gather(*first, *late)
+        late = await engine.generate(body(prompts_late, 8))
+        return await first + late
 
     return asyncio.run(go())
 
