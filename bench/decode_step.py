@@ -20,6 +20,18 @@ expected), and the largest log-prob gap.
 
     python bench/decode_step.py --random-qwen2 0.5b --batches 64 256 --sampler
 
+`--prefill` times the prompt prefill instead (`slime/engines/builtin/slots.py`, `SlotDecoder.prefill`): for B
+prompts of `--prompt-len` random tokens at each B in `--batches`, the `transformers` forward over a DynamicCache
+followed by `write_prefill` (what `--disable-slot-prefill` runs, as the scheduler does it: left-padded ids built on
+the host, mask left out when there is no padding) against the slot prefill (the slot decoder's layers writing the
+slots directly), `--prefill-steps` calls each, alternating for `--rounds` rounds, CUDA events from launch to the end
+of the GPU work (host launch gaps count); printed: the median of the rounds' medians, the largest |logit gap| of
+the last position and the largest |key/value gap| over the prompts' slot positions, with whether the two caches
+match (within 1e-5 in fp32, 2e-2 in bf16/fp16: the fused GEMMs split the work differently).
+
+    python bench/decode_step.py --random-qwen2 0.5b --batches 64 256 --prefill
+    python bench/decode_step.py --random-qwen2 micro --device cpu --dtype float32 --batches 4 --prefill  # smoke
+
 `--profile ROWS` then replays the fused decoder's graph of each batch once under torch.profiler and prints the
 step's GPU time, its kernel count and the ROWS costliest kernels: what a replayed step is made of (a 0.5B step
 at 256 rows was 2.36 ms against a ~0.7 ms memory floor: kernel count, not bytes, is the suspect).
@@ -28,13 +40,15 @@ at 256 rows was 2.36 ms against a ~0.7 ms memory floor: kernel count, not bytes,
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from profiling import print_profile
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.fusion import ProjectionFusion
@@ -42,10 +56,18 @@ from slime.engines.builtin.sampling import sample
 from slime.engines.builtin.slots import SlotDecoder
 
 
-def call_ms(fn, steps: int) -> float:
-    """Median milliseconds of one call of `fn`, from its launch to the end of its GPU work (CUDA events)."""
-    for _ in range(10):
+def call_ms(fn, steps: int, warmup: int = 10) -> float:
+    """Median milliseconds of one call of `fn`, from its launch to the end of its GPU work (CUDA events);
+    without CUDA (a smoke run of --prefill on the CPU) the wall time of each call."""
+    for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for start, end in pairs:
         start.record()
@@ -74,22 +96,91 @@ def compare_sampler(logits: torch.Tensor, steps: int, rounds: int) -> str:
             f"tokens differing {differ} of {batch}, max |log-prob gap| {gap:.3g}")
 
 
+def hf_prefill(model, decoder: SlotDecoder, prompts: list[list[int]]) -> torch.Tensor:
+    """The `transformers` prefill as the scheduler runs it with --disable-slot-prefill: left-padded ids and
+    mask built on the host, one forward over a DynamicCache, then `write_prefill` into slots 0 .. B-1; the last
+    position's logits."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(decoder.device), mask.to(decoder.device)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
+                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    decoder.write_prefill(cache, list(range(len(prompts))), [len(p) for p in prompts], first_slot=0)
+    return out.logits[:, -1]
+
+
+def compare_prefill(model, fusion: ProjectionFusion, args: argparse.Namespace, device: torch.device) -> None:
+    """The HF prefill + write_prefill against the slot prefill, per batch size (see the module docstring)."""
+    exact = next(model.parameters()).dtype == torch.float32
+    tolerance = 1e-5 if exact else 2e-2
+    for batch in args.batches:
+        prompts = torch.randint(0, max(2, model.config.vocab_size - 8), (batch, args.prompt_len),
+                                generator=torch.Generator().manual_seed(batch)).tolist()
+        decoders = {name: SlotDecoder(model, slots=batch, max_len=args.prompt_len, device=device,
+                                      cuda_graphs=device.type == "cuda", projections=fusion)
+                    for name in ("hf", "slot")}
+        calls = {"hf": functools.partial(hf_prefill, model, decoders["hf"], prompts),
+                 "slot": functools.partial(decoders["slot"].prefill, prompts, first_slot=0)}
+        logits = {name: call() for name, call in calls.items()}  # the slot prefill's kernels compile here (CUDA)
+        gap = (logits["slot"].float() - logits["hf"].float()).abs().max().item()
+        pairs = list(zip(decoders["hf"].keys + decoders["hf"].values,
+                         decoders["slot"].keys + decoders["slot"].values, strict=True))
+        cache_gap = max((new.float() - ref.float()).abs().max().item() for ref, new in pairs)
+        match = all(torch.allclose(new, ref, rtol=tolerance, atol=tolerance) for ref, new in pairs)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name].append(call_ms(call, args.prefill_steps, warmup=2))
+        hf, slot = (statistics.median(times[n]) for n in calls)
+        print(f"prefill {batch:4d} x {args.prompt_len} tokens: transformers + write_prefill {hf:.2f} ms, slot prefill "
+              f"{slot:.2f} ms ({(hf - slot) / hf:+.1%}); max |logit gap| {gap:.3g}, max |key/value gap| "
+              f"{cache_gap:.3g}, caches match (tolerance {tolerance:g}): {match}", flush=True)
+        if args.profile:
+            print_profile(calls["slot"], args.profile, title=f"slot prefill, {batch} x {args.prompt_len} tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--random-qwen2", default="0.5b", choices=sorted(QWEN2_SHAPES))
+    parser.add_argument("--random-qwen2", default="0.5b", choices=[*sorted(QWEN2_SHAPES), "micro"],
+                        help="micro: 1 layer, hidden 64 (bench/engine.py's), for a CPU smoke run of --prefill")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-len", type=int, default=1024, help="slot length (graphs for every length bucket)")
     parser.add_argument("--sampler", action="store_true",
                         help="also time the sampler on each batch's logits, eager and compiled (the RL case)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="time the prompt prefill instead: transformers + write_prefill vs the slot prefill")
+    parser.add_argument("--prompt-len", type=int, default=128, help="--prefill: tokens per prompt")
+    parser.add_argument("--prefill-steps", type=int, default=20, help="--prefill: timed calls per round")
+    parser.add_argument("--device", default="cuda", help="cpu: only for a smoke run of --prefill")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="after timing, one replay of the fused graph per batch under torch.profiler")
+                        help="after timing, one replay of the fused graph per batch under torch.profiler "
+                             "(--prefill: one slot prefill)")
     args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type != "cuda" and not args.prefill:
+        parser.error("the decode graphs need CUDA (--device cpu runs --prefill only)")
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_random_qwen2(Path(tmp) / "model", args.random_qwen2, torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        if args.random_qwen2 == "micro":
+            from engine import save_micro_qwen2
+
+            path = save_micro_qwen2(Path(tmp) / "model", dtype)
+        else:
+            path = save_random_qwen2(Path(tmp) / "model", args.random_qwen2, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     fusion = ProjectionFusion(model)
+    if args.prefill:
+        with torch.inference_mode():
+            compare_prefill(model, fusion, args, device)
+        return
     slots = max(args.batches)
     decoders = {}
     with torch.inference_mode():

@@ -26,7 +26,8 @@ the warm-up runs are done, as the server and the RL rollout manager do for their
 a full collection walking torch's and transformers' objects took 0.20 s of the client's time in 2 of 5
 timed runs on an H200 (`client_gc_s`, still reported), so the runs timed the benchmark's collector, not the
 engine. `--disable-sampler-compile` passes the engine's flag (the sampler's common path eager on CUDA) for
-an A/B against the compiled default.
+an A/B against the compiled default; `--disable-slot-prefill` likewise (prompts prefilled by the `transformers`
+forward and copied into the slots, against the slot prefill).
 
 Figures go to docs/benchmarks.md (command, machine, median of the repeats).
 """
@@ -249,6 +250,8 @@ def main() -> None:
                         help="engine: leave its garbage collector unfrozen (the baseline)")
     parser.add_argument("--disable-sampler-compile", action="store_true",
                         help="engine: sample eagerly on CUDA (the baseline of the compiled sampler)")
+    parser.add_argument("--disable-slot-prefill", action="store_true",
+                        help="engine: prefill by the transformers forward + a copy into the slots (the baseline)")
     parser.add_argument("--split", action="store_true",
                         help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
@@ -275,7 +278,8 @@ def main() -> None:
     engine_flags = [flag for flag, on in (("--disable-overlap-schedule", args.disable_overlap_schedule),
                                           ("--disable-fused-projections", args.disable_fused_projections),
                                           ("--disable-gc-freeze", args.disable_gc_freeze),
-                                          ("--disable-sampler-compile", args.disable_sampler_compile)) if on]
+                                          ("--disable-sampler-compile", args.disable_sampler_compile),
+                                          ("--disable-slot-prefill", args.disable_slot_prefill)) if on]
     if args.admission_window_ms is not None:
         engine_flags += ["--admission-window-ms", str(args.admission_window_ms)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,7 +323,8 @@ def main() -> None:
                                           max_running_requests=max(256, args.requests), kv_cache=args.kv_cache,
                                           disable_overlap_schedule=args.disable_overlap_schedule,
                                           disable_fused_projections=args.disable_fused_projections,
-                                          disable_sampler_compile=args.disable_sampler_compile))
+                                          disable_sampler_compile=args.disable_sampler_compile,
+                                          disable_slot_prefill=args.disable_slot_prefill))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
             gc.collect()  # the in-process engine's objects too, as its server process does at start

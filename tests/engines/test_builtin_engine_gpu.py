@@ -43,6 +43,7 @@ def test_cuda_logprobs_match_teacher_forced(tiny_kit, dtype, tolerance, kv_cache
         if kv_cache == "slots":
             assert engine.scheduler._slots.cuda_graphs and engine.scheduler._slots._graphs
             assert engine.scheduler.decodes_ahead > 0  # the overlapped schedule ran (rows left mid-flight)
+            assert engine.scheduler.slot_prefill  # prompts prefilled straight into the slots (SlotDecoder.prefill)
         print(f"{dtype} {kv_cache}: max |engine - teacher forced| = {worst:.2e}")
         assert worst < tolerance
     finally:

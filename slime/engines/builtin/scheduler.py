@@ -8,9 +8,10 @@ one token for every running row. Finished rows are dropped from the cache, and c
 padding in every row are trimmed. Any `transformers` causal LM works, since only its forward pass
 (with `attention_mask`, `position_ids` and a `DynamicCache`) is used.
 
-With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) prompts are prefilled the
-same way, but decoding runs on a preallocated per-request slot cache with a graph-captured step
-(`slots.py`); rows then never move except when a finished row's slot is refilled by the last one.
+With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) decoding runs on a
+preallocated per-request slot cache with a graph-captured step (`slots.py`); rows then never move
+except when a finished row's slot is refilled by the last one. Prompts are prefilled by the slot
+decoder's own layers straight into their slots (`SlotDecoder.prefill`), except where `_prefill` says.
 There the next decode is launched before the host has the current step's tokens (`_decode_slots`),
 so the GPU computes while the host records tokens and answers finished requests.
 
@@ -125,6 +126,7 @@ class Scheduler:
         fuse_projections: bool = True,
         gc_freeze: bool = False,
         compile_sampler: bool = True,
+        slot_prefill: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -149,6 +151,9 @@ class Scheduler:
         # step at 256 rows on an H200; on CPU it stays eager, as the slot decoder's fused parts
         self.compile_sampler = compile_sampler and device.type == "cuda"
         self.overlap = overlap  # slot mode: launch the next decode before this step's tokens reach the host
+        # slot mode: prompts prefilled by the slot decoder's own layer body, straight into their slots
+        # (`SlotDecoder.prefill`) instead of the `transformers` forward + DynamicCache + `write_prefill`
+        self.slot_prefill = slot_prefill and self.kv_cache == "slots"
         self._slots: SlotDecoder | None = None
         # slot mode: q/k/v and gate/up weights made views into one buffer each, once (fusion.py); the
         # memory release parks those buffers (`fusion.weight_slots`)
@@ -435,6 +440,15 @@ class Scheduler:
             request.input_logprobs = values[request.logprob_start_len :]
 
     def _prefill(self, requests: list[Request], generate: bool = True) -> None:
+        """Prefill an admitted group and sample its first tokens (or only score its prompts). The slot
+        prefill (`_prefill_slots`) takes groups that generate and score no prompt token; the `transformers`
+        forward takes the rest: prompt scoring (logprob_start_len >= 0 needs every position's logits, and a
+        group holding one such request goes this way whole), scoring-only groups, the dynamic KV cache, and
+        `--disable-slot-prefill`. A loaded LoRA adapter is merged into the weights (lora.py), so both paths
+        apply it."""
+        if generate and self.slot_prefill and all(r.logprob_start_len < 0 for r in requests):
+            self._prefill_slots(requests)
+            return
         width = max(len(r.input_ids) for r in requests)
         ids = torch.zeros(len(requests), width, dtype=torch.long)
         mask = torch.zeros(len(requests), width, dtype=torch.long)
@@ -610,18 +624,34 @@ class Scheduler:
             torch.cat([old.next_tokens, new.next_tokens]),
         )
 
-    def _merge_slots(self, new: _Batch) -> None:
-        """Copy the prefilled rows' keys/values into the next free slots."""
+    def _slot_decoder(self) -> SlotDecoder:
+        """The slot cache, built at the first request (and again after a memory release dropped it)."""
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
                                       device=self.device, cuda_graphs=self.cuda_graphs,
                                       projections=self.projections)
-        old = self._batch or _SlotBatch([], new.next_tokens[:0], [])
+        return self._slots
+
+    def _prefill_slots(self, requests: list[Request]) -> None:
+        """The slot prefill: the group's prompts run through the slot decoder's layers into the next free
+        slots, then their first tokens are sampled from the last positions' logits."""
+        first = len(self._batch.requests) if self._batch else 0
+        logits = self._slot_decoder().prefill([r.input_ids for r in requests], first_slot=first)
+        tokens = self._choose(requests, logits)
+        self._append_slots(requests, tokens, [len(r.input_ids) for r in requests])
+
+    def _merge_slots(self, new: _Batch) -> None:
+        """Copy the prefilled rows' keys/values into the next free slots."""
+        first = len(self._batch.requests) if self._batch else 0
         lengths = [int(n) for n in new.mask.sum(dim=1).tolist()]
-        self._slots.write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=len(old.requests))
-        # the first sampled token is fed next, at position `length` of its slot
-        self._batch = _SlotBatch(old.requests + new.requests, torch.cat([old.next_tokens, new.next_tokens]),
-                                 old.lengths + lengths)
+        self._slot_decoder().write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=first)
+        self._append_slots(new.requests, new.next_tokens, lengths)
+
+    def _append_slots(self, requests: list[Request], tokens: torch.Tensor, lengths: list[int]) -> None:
+        """Rows whose prompts fill the slots after the running ones join the batch; the first sampled
+        token is fed next, at position `length` of its slot."""
+        old = self._batch or _SlotBatch([], tokens[:0], [])
+        self._batch = _SlotBatch(old.requests + requests, torch.cat([old.next_tokens, tokens]), old.lengths + lengths)
 
     def _drop_finished(self) -> None:
         batch = self._batch

@@ -7,10 +7,14 @@ launches) and re-padding whenever rows join or leave. On a GPU that is launch-bo
 Here every running request owns a *slot*: row `s` of a preallocated cache `[slots, kv_heads,
 max_len, head_dim]` per layer, holding its tokens at positions `0 .. n-1`. Running requests occupy
 slots `0 .. B-1` (when one finishes, the last running slot moves into the hole), so a decode step
-works on the first B rows only. Prompts are still prefilled by the model's own forward (any length,
-left-padded together); their keys/values are then copied into the slots.
+works on the first B rows only. Prompts are prefilled by the decode step's own layer body run over the
+whole prompts (`prefill`: right-padded together, causal attention), which writes each layer's keys/values
+straight into the slots and runs the LM head on each prompt's last position only. Where the scheduler
+keeps the `transformers` forward instead (prompt scoring, `--disable-slot-prefill`), the keys/values of
+its `DynamicCache` are copied into the slots (`write_prefill`).
 
-The decode step is written against the modules of the `transformers` model (its projections, norms,
+The decode step (and the prefill: one layer body, `_layers`, serves a step's one token per row and a
+prompt's n) is written against the modules of the `transformers` model (its projections, norms,
 rotary embedding and MLP, so the weights are shared and in-place weight updates apply at once):
 embed -> per layer (norm, q/k/v, optional q/k norm, rotary, write k/v at each row's position,
 attention over the row's valid positions, o_proj, residual, norm, MLP, residual) -> norm -> lm_head.
@@ -155,6 +159,41 @@ class SlotDecoder:
             keys[dst, :, :length] = keys[src, :, :length]
             values[dst, :, :length] = values[src, :, :length]
 
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, prompts: list[list[int]], first_slot: int) -> torch.Tensor:
+        """Prefill `prompts` straight into slots `first_slot, first_slot + 1, ...`: logits [R, V] of each
+        prompt's last position, in the model's dtype (as `decode`'s).
+
+        The layers run the decode step's own body (`_layers`: fused projections, the compiled add+RMSNorm,
+        rotary and SiLU x up where `fused`, Qwen3's q/k norms) over the prompts right-padded to the longest,
+        at positions 0 .. width-1 of every row, eagerly (no graph: the shapes vary with every group). Attention
+        is causal over each row (`is_causal=True`, no mask): with right padding a real position j < n_i only
+        sees keys 0 .. j, all real, so unequal lengths need no mask; the padded positions compute garbage that
+        nothing reads. Each layer's keys/values go straight into the slot rows at positions 0 .. width-1 (the
+        padded tail lies past the row's length: decoding masks it, then overwrites it), so there is no
+        `DynamicCache` and no `write_prefill` copy, and the LM head runs on each prompt's last position only."""
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        end = first_slot + rows
+        if end > self.slots or width > self.max_len or min(len(p) for p in prompts) == 0:
+            raise ValueError(f"prefill of {rows} prompts of up to {width} tokens into slots {first_slot}..{end - 1}: "
+                             f"the cache has {self.slots} slots of {self.max_len} positions (and no prompt may be empty)")
+        model = self.model.model
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        hidden = model.embed_tokens(ids)  # [R, W, H]
+        cos, sin = model.rotary_emb(hidden, torch.arange(width, device=self.device).unsqueeze(0))  # [1, W, D]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.keys[layer][first_slot:end, :, :width] = k
+            self.values[layer][first_slot:end, :, :width] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                 enable_gqa=self.heads != self.kv_heads)  # [R, heads, W, D]
+            return out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim)
+
+        x = self._layers(hidden, cos, sin, attend)
+        return self.model.lm_head(x[torch.arange(rows, device=self.device), last])
+
     # ------------------------------------------------------------------ decode
 
     def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -234,26 +273,38 @@ class SlotDecoder:
         # boolean one is turned into this by every layer's attention call, one more kernel per layer)
         visible = torch.arange(length, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
         mask = torch.where(visible, self._attend, self._masked)[:, None, None, :]
-        x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [model.norm]
-        for i, (layer, keys, values, next_norm) in enumerate(zip(self.layers, self.keys, self.values, norms,
-                                                                 strict=True)):
-            attention = layer.self_attn
-            q, k, v = self._qkv(i, attention, x)
-            q = q.view(batch, 1, self.heads, self.head_dim)
-            k = k.view(batch, 1, self.kv_heads, self.head_dim)
-            v = v.view(batch, 1, self.kv_heads, self.head_dim)
-            if hasattr(attention, "q_norm"):
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, D]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = self.keys[layer], self.values[layer]
             keys[rows, :, positions] = k[:, :, 0]
-            values[rows, :, positions] = v[:, 0]
+            values[rows, :, positions] = v[:, :, 0]
             # grouped-query decode as plain attention: the heads sharing a key/value head become that
             # head's query rows ([B, kv_heads, heads / kv_heads, D]), so no key/value is repeated
             q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(q, keys[:batch, :, :length], values[:batch, :, :length],
                                                  attn_mask=mask, scale=self.scaling)
-            out = attention.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
+            return out.reshape(batch, 1, self.heads * self.head_dim)
+
+        return self.model.lm_head(self._layers(hidden, cos, sin, attend))[:, 0]
+
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
+        """The decoder layers and the final norm over `hidden` [B, T, H] (T = 1 in a decode step, the prompt
+        width in a prefill): the normed last hidden states [B, T, H]. `attend(layer, q, k, v)` gets the rotated
+        queries [B, heads, T, D] and keys, values [B, kv_heads, T, D], stores the keys/values where they belong
+        and returns the attention output [B, T, heads * D]."""
+        batch, width = hidden.shape[:2]
+        x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            attention = layer.self_attn
+            q, k, v = self._qkv(i, attention, x)
+            q = q.view(batch, width, self.heads, self.head_dim)
+            k = k.view(batch, width, self.kv_heads, self.head_dim)
+            v = v.view(batch, width, self.kv_heads, self.head_dim)
+            if hasattr(attention, "q_norm"):
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+            out = attention.o_proj(attend(i, q, k, v.transpose(1, 2)))
             hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
             hidden, x = self._add_norm(hidden, self._mlp(i, layer.mlp, x), next_norm)
-        return self.model.lm_head(x)[:, 0]
+        return x

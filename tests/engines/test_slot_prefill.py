@@ -1,0 +1,213 @@
+"""The slot prefill (`SlotDecoder.prefill`): prompts run through the slot decoder's own layers straight into
+their slots, on CPU in fp32. Its last-position logits and the keys/values it writes equal the `transformers`
+forward's and `write_prefill`'s copy of them (the path `--disable-slot-prefill` keeps), for Qwen2, Qwen3 and
+Llama, fused projections or not, equal and unequal prompt lengths; the engine generates the same tokens and
+log-probs either way."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+
+from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
+from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.slots import SlotDecoder, add_rms_norm, silu_mul
+
+CPU = torch.device("cpu")
+UNEQUAL = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [9], [12, 13, 14, 15, 16, 17]]
+EQUAL = [[5, 6, 7, 8, 9], [40, 3, 4, 5, 6], [9, 8, 7, 6, 5]]
+
+
+def build(tiny_kit, kind):
+    if kind == "qwen2":
+        return AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape) if kind == "llama" else Qwen3Config(**shape, head_dim=16)  # Qwen3: q/k norms
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def hf_prefill(model, prompts, decoder, first_slot):
+    """What the scheduler does with --disable-slot-prefill: the left-padded `transformers` forward into a
+    DynamicCache, then `write_prefill`; the last position's logits."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    decoder.write_prefill(cache, list(range(len(prompts))), [len(p) for p in prompts], first_slot)
+    return out.logits[:, -1]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+@pytest.mark.parametrize("prompts", [UNEQUAL, EQUAL], ids=["unequal", "equal"])
+def test_slot_prefill_equals_the_transformers_prefill_and_its_copy(tiny_kit, kind, fused, prompts):
+    model = build(tiny_kit, kind)
+    projections = ProjectionFusion(model) if fused else None
+    reference = SlotDecoder(model, slots=8, max_len=32, device=CPU, cuda_graphs=False, projections=projections)
+    direct = SlotDecoder(model, slots=8, max_len=32, device=CPU, cuda_graphs=False, projections=projections)
+    first = 2  # rows 0, 1 are running requests: their slots must stay as they are
+    generator = torch.Generator().manual_seed(5)
+    for ref, new in zip(reference.keys + reference.values, direct.keys + direct.values, strict=True):
+        ref.copy_(torch.randn(ref.shape, generator=generator))
+        new.copy_(ref)
+    with torch.inference_mode():
+        want = hf_prefill(model, prompts, reference, first)
+        got = direct.prefill(prompts, first_slot=first)
+    assert got.shape == (len(prompts), model.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got[0], got[-1], atol=1e-3)  # rows differ: a row mix-up would show
+    end = first + len(prompts)
+    for layer in range(len(model.model.layers)):
+        for ref, new in ((reference.keys[layer], direct.keys[layer]), (reference.values[layer], direct.values[layer])):
+            for row, prompt in enumerate(prompts):  # positions 0 .. n-1 of each request's slot
+                torch.testing.assert_close(new[first + row, :, :len(prompt)], ref[first + row, :, :len(prompt)],
+                                           rtol=0, atol=1e-5)
+            assert torch.equal(new[:first], ref[:first]) and torch.equal(new[end:], ref[end:])  # other slots kept
+
+
+def test_slot_prefill_then_decode_scores_like_a_full_forward(tiny_kit):
+    """Decoding on from the slot prefill's cache gives the logits of one forward over prompt + tokens."""
+    model = build(tiny_kit, "qwen2")
+    decoder = SlotDecoder(model, slots=6, max_len=32, device=CPU, cuda_graphs=False, projections=ProjectionFusion(model))
+    follow = [[21, 22], [23, 24], [25, 26], [27, 28]]
+    with torch.inference_mode():
+        decoder.prefill(UNEQUAL, first_slot=1)
+        steps = [decoder.decode(torch.tensor([0] + [f[s] for f in follow]), [0] + [len(p) + s for p in UNEQUAL])
+                 for s in range(2)]
+        for row, (prompt, tokens) in enumerate(zip(UNEQUAL, follow, strict=True)):
+            full = model(torch.tensor([prompt + tokens])).logits[0, -2:]
+            for s in range(2):
+                torch.testing.assert_close(steps[s][row + 1], full[s], rtol=0, atol=1e-5)
+
+
+def test_compiled_elementwise_kernels_serve_prefill_and_decode_shapes(tiny_kit):
+    """On CUDA the add+RMSNorm, rotary and SiLU x up run compiled (dynamic shapes), and the prefill calls them
+    with [R, W, ...] shapes the decode step never has (W > 1, rotary tables of batch 1). Compiled here with
+    inductor's C++ backend, as `SlotDecoder.__init__` does on CUDA: the same logits and caches as eagerly, for
+    several prefill groups (one row, one token) and the decode steps after them."""
+    model = build(tiny_kit, "qwen3")
+    projections = ProjectionFusion(model)
+    eager, fused = (SlotDecoder(model, slots=8, max_len=32, device=CPU, cuda_graphs=False, projections=projections)
+                    for _ in range(2))
+    fused.fused = True  # what cuda_graphs=True sets on CUDA
+    fused._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
+    fused._rotate = torch.compile(fused._rotate, dynamic=True)
+    fused._silu_mul = torch.compile(silu_mul, dynamic=True)
+    groups = [(UNEQUAL, 0), ([[1, 2, 3, 4, 5, 6, 7]], 4), ([[40]], 5), ([[1, 2], [3, 4]], 6)]
+    with torch.inference_mode():
+        for prompts, first in groups:
+            torch.testing.assert_close(fused.prefill(prompts, first), eager.prefill(prompts, first), rtol=0, atol=1e-5)
+        lengths = [len(p) for prompts, _ in groups for p in prompts]
+        for step in range(2):
+            tokens = torch.arange(len(lengths)) + 7
+            positions = [n + step for n in lengths]
+            torch.testing.assert_close(fused.decode(tokens, positions), eager.decode(tokens, positions),
+                                       rtol=0, atol=1e-5)
+    for a, b in zip(eager.keys + eager.values, fused.keys + fused.values, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_slot_prefill_refuses_what_the_cache_cannot_hold(tiny_kit):
+    decoder = SlotDecoder(build(tiny_kit, "qwen2"), slots=4, max_len=8, device=CPU, cuda_graphs=False)
+    with pytest.raises(ValueError, match="the cache has 4 slots of 8 positions"):
+        decoder.prefill([[1, 2]] * 3, first_slot=2)
+    with pytest.raises(ValueError, match="up to 9 tokens"):
+        decoder.prefill([list(range(9))], first_slot=0)
+
+
+# ------------------------------------------------------------------ the engine, with and without it
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_kit):
+    pair = {flag: BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=3, kv_cache="slots",
+                                           disable_slot_prefill=flag)) for flag in (False, True)}
+    yield pair
+    for engine in pair.values():
+        engine.shutdown()
+
+
+def _generate(engine, prompts_first, prompts_late, temperature):
+    """A group of unequal prompts, then (once it decodes) a second group into the slots after it. Each group is
+    one batched body, so its requests are submitted together and admitted as one group however loaded the
+    machine is."""
+    def body(prompts, new_tokens):
+        return {"input_ids": prompts, "return_logprob": True,
+                "sampling_params": [{"max_new_tokens": new_tokens + 3 * i, "temperature": temperature,
+                                     "sampling_seed": sum(p), "ignore_eos": True} for i, p in enumerate(prompts)]}
+
+    async def go():
+        first = asyncio.ensure_future(engine.generate(body(prompts_first, 14)))
+        start = engine.scheduler.steps
+        while engine.scheduler.steps < start + 3:
+            await asyncio.sleep(0.002)
+        late = await engine.generate(body(prompts_late, 8))
+        return await first + late
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_engine_generates_the_same_with_and_without_the_slot_prefill(engines, monkeypatch, temperature):
+    tok = engines[False].tokenizer
+    first = [tok.encode(f"{i}+{i * 37}=") for i in range(1, 4)] + [tok.encode("a much longer prompt: 1234+5678=")]
+    late = [tok.encode("late: 99+1="), tok.encode("7*7=")]
+    prefills, forwards = [], {flag: 0 for flag in engines}
+    original = SlotDecoder.prefill
+
+    def spied(self, prompts, first_slot):
+        prefills.append((len(prompts), first_slot))
+        return original(self, prompts, first_slot)
+
+    monkeypatch.setattr(SlotDecoder, "prefill", spied)
+    hooks = [engine.model.register_forward_pre_hook(lambda *_, flag=flag: forwards.__setitem__(flag, forwards[flag] + 1))
+             for flag, engine in engines.items()]
+    try:
+        replies = {flag: _generate(engine, first, late, temperature) for flag, engine in engines.items()}
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert forwards[False] == 0 and forwards[True] >= 2  # the transformers forward ran only with the flag
+    assert (4, 0) in prefills and (2, 4) in prefills  # the late group went into the slots after the first
+    for with_it, without in zip(replies[False], replies[True], strict=True):
+        assert with_it["output_ids"] == without["output_ids"]
+        gaps = [abs(a[0] - b[0]) for a, b in zip(with_it["meta_info"]["output_token_logprobs"],
+                                                  without["meta_info"]["output_token_logprobs"], strict=True)]
+        assert max(gaps) < 1e-5
+
+
+def test_prompt_scoring_keeps_the_transformers_prefill(engines):
+    """logprob_start_len >= 0 needs every position's logits: that group runs the transformers forward."""
+    engine = engines[False]
+    calls = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        out = asyncio.run(engine.generate({"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 0,
+                                           "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}))
+    finally:
+        hook.remove()
+    assert calls and len(out["meta_info"]["input_token_logprobs"]) == 4
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_the_flag_reaches_the_scheduler_and_server_info(tiny_kit, engines):
+    from slime.engines.builtin.server import build_parser, engine_args_from
+
+    assert engine_args_from(build_parser().parse_args(["--model", "m", "--disable-slot-prefill"])).disable_slot_prefill
+    assert not engine_args_from(build_parser().parse_args(["--model", "m"])).disable_slot_prefill
+    for flag, engine in engines.items():
+        assert engine.scheduler.slot_prefill is not flag
+        assert engine.server_info()["internal_states"][0]["slot_prefill"] is not flag
+    dynamic = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), kv_cache="dynamic"))
+    try:
+        assert dynamic.scheduler.slot_prefill is False  # no slots to prefill into
+    finally:
+        dynamic.shutdown()
