@@ -6,6 +6,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo --reuse-log-probs
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
+    python bench/train_step.py --model 0.5b --seq 4096 --global-batch 8 --micro-batch 1 --fp32-logits
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron gradient_accumulation_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--compile-scores", action=argparse.BooleanOptionalAction, default=None,
                         help="train.compile_scores: the log-softmax over the vocabulary torch.compile'd (default: "
                              "on under CUDA with Triton); --no-compile-scores for the eager kernels")
+    parser.add_argument("--fp32-logits", action=argparse.BooleanOptionalAction, default=False,
+                        help="train.fp32_logits: megatron's Float16Module upcasts the logits to fp32 before they are "
+                             "scored (the default before it was off); off: scored from the bf16 logits, same values")
     parser.add_argument("--log-probs-max-tokens", type=int, default=None, metavar="N",
                         help="--loss grpo: the forward-only log-prob passes packed by tokens, N per micro-batch (the "
                              "train actor's --use-dynamic-batch-size --log-probs-max-tokens-per-gpu N; training "
@@ -121,13 +125,14 @@ def main() -> None:
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
                "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
                "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models),
-               "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda"))}
+               "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda")),
+               "fp32_logits": args.fp32_logits}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
                             log_probs_chunk_size=args.log_probs_chunk_size, reuse_log_probs=args.reuse_log_probs,
-                            compile_scores=args.compile_scores)
+                            compile_scores=args.compile_scores, fp32_logits=args.fp32_logits)
     generator = torch.Generator().manual_seed(0)
     for n, seq in enumerate(args.seq):
         if n and cuda_graphs.enabled(models):  # graphs replay one shape: capture again for this length
@@ -213,7 +218,8 @@ def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module]
 
     batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
                     chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature,
-                    compile_scores=settings.compile_scores, use_dynamic_batch_size=max_tokens is not None,
+                    compile_scores=settings.compile_scores, fp32_logits=settings.fp32_logits,
+                    use_dynamic_batch_size=max_tokens is not None,
                     max_tokens_per_gpu=max_tokens)
     old = None if settings.reuse_log_probs else compute_log_probs(models, samples, **batching).log_probs
     return TrainArrays(advantages=advantages, old_log_probs=old,

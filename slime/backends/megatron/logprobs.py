@@ -115,11 +115,29 @@ def response_log_probs(
                         with_entropy=with_entropy, chunk_size=chunk_size)
 
 
-def forward_logits(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
-    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch."""
+def forward_logits(model: torch.nn.Module, batch: PaddedBatch, fp32: bool = True) -> torch.Tensor:
+    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch.
+
+    A bf16/fp16 model (megatron's `Float16Module`) returns them upcast to fp32 unless `fp32` is False: then in the
+    model's dtype, which `score_logits` reads as well (it computes in fp32 chunk by chunk, the same values:
+    the upcast is exact, and the logits' gradient is rounded to the model's dtype once either way). At 4096
+    positions of a 152k vocabulary the upcast writes a 2.5 GB fp32 copy, and its backward reads a 2.5 GB fp32
+    gradient (train.fp32_logits)."""
     seq = batch.tokens.shape[1]
     position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
-    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)
+    extra = {} if fp32 or not _float16_wrapped(model) else {"fp32_output": False}
+    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None, **extra)
+
+
+def _float16_wrapped(model: torch.nn.Module) -> bool:
+    """Whether megatron's `Float16Module` (which takes `fp32_output`) is in the chain of wrappers (DDP, ...)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while model is not None:
+        if isinstance(model, Float16Module):
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, temperature: float = 1.0,
@@ -317,11 +335,11 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                       temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
                       use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
                       pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
-                      compile_scores: bool | None = None,
+                      compile_scores: bool | None = None, fp32_logits: bool = False,
                       profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
                       workload: Callable[[int], float] | None = None) -> SampleLogProbs:
     """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
-    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`)."""
+    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`); `fp32_logits`: see `forward_logits`."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
                           use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
                           workload=workload)
@@ -331,7 +349,7 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
 
     def run(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
         batch = padded[id(indices)] = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
-        return forward_logits(model, batch)
+        return forward_logits(model, batch, fp32=fp32_logits)
 
     def collect(indices: list[int], logits: torch.Tensor) -> tuple[list[int], PaddedBatch, tuple]:
         batch = padded.pop(id(indices))
