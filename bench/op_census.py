@@ -18,7 +18,8 @@ least). Operations are grouped by
   by gradient hooks on the tensors between them (the logits, each layer's output, the first layer's input);
 * category: `gemm`, `attn` (SDPA), `cast` (dtype conversions), `copy` (clone / contiguous / same-dtype copies),
   `cat` (cat, stack), `fill` (zeros, fill_), `index` (embedding, gather, scatter, index ops), `reduce`, `elem`
-  (everything else: pointwise math, norms' pieces, rotary, SwiGLU).
+  (everything else: pointwise math, norms' pieces, rotary, SwiGLU), `sync` (`.item()`, `nonzero` & co.: on a GPU
+  the host waits for the device there, so Python's launch overhead is no longer hidden behind queued kernels).
 
 `cast + copy + cat + fill` are the layout bytes: work a fused kernel or a different layout would not do.
 
@@ -52,12 +53,16 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 aten = torch.ops.aten
-CATEGORIES = ("gemm", "attn", "cast", "copy", "cat", "fill", "index", "reduce", "elem")
+CATEGORIES = ("gemm", "attn", "cast", "copy", "cat", "fill", "index", "reduce", "elem", "sync")
+# ops whose result the host waits for on a GPU (a value read, a data-dependent shape): the CPU stops queueing work
+_SYNC = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item", "is_nonzero")
 LAYOUT = ("cast", "copy", "cat", "fill")
 _NO_WORK = {aten.detach.default, aten.empty.memory_format, aten.empty_strided.default, aten.lift_fresh.default, aten._unsafe_view.default, aten.alias.default,
-            aten._local_scalar_dense.default, aten.set_.source_Storage_storage_offset, aten.is_same_size.default,
+            aten.set_.source_Storage_storage_offset, aten.is_same_size.default,
             aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default, aten.resize_.default,
             aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+_OVERWRITE = ("copy_", "fill_", "zero_", "index_put_", "_index_put_impl_", "normal_", "uniform_",
+              "bernoulli_", "set_")
 _GEMM = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot")
 _CAT = ("cat", "stack")
 _FILL = ("fill_", "zero_", "zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "zeros_like",
@@ -82,6 +87,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def category(func: Any, args: tuple, out: Any) -> str:
     """The census category of one aten call (see the module docstring)."""
     name = func._schema.name.removeprefix("aten::")
+    if name in _SYNC:
+        return "sync"
     if name in _GEMM:
         return "gemm"
     if "scaled_dot_product" in name or "flash_attention" in name:
@@ -136,7 +143,10 @@ class Census(TorchDispatchMode):
         written = mutated if mutated else _tensors(out)
         if not any(t.numel() for t in written + read):
             return out
-        moved = sum(_nbytes(t) for t in read) + sum(_nbytes(t) for t in written)
+        # an in-place op reads what it updates (add_, the optimizer's states), one that only overwrites does not
+        overwrite = (schema.name.removeprefix("aten::").removeprefix("_foreach_") in _OVERWRITE
+                     or schema.overload_name.startswith("out"))
+        moved = sum(_nbytes(t) for t in read) + sum(_nbytes(t) for t in written) * (1 if overwrite or not mutated else 2)
         phase, scope = self.where()
         cat = category(func, args, out)
         for table, key in ((self.totals, (phase, scope, cat)),
@@ -205,13 +215,15 @@ def wrap_optimizer(census: Census, optimizer: Any) -> None:
 
 
 def megatron_census(config: Any, seq: int, dtype: torch.dtype, megatron: dict[str, Any],
-                    fp32_logits: bool = False) -> Census:
+                    fp32_logits: bool = False, rope_cos_sin_cache: bool = True,
+                    foreach_param_copy: bool = True) -> Census:
     """One SFT train step (one micro-batch of one sample) of the Megatron model, built as bench/train_step.py
     builds it; the step runs twice (the first allocates the optimizer state), the second is counted."""
     from mbridge.core.util import unwrap_model
 
+    from slime.backends.megatron import rope_fusion
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
-    from slime.backends.megatron.optimizer import build_optimizer
+    from slime.backends.megatron.optimizer import build_optimizer, use_foreach_param_copy
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
@@ -219,9 +231,12 @@ def megatron_census(config: Any, seq: int, dtype: torch.dtype, megatron: dict[st
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)
         bridge = make_bridge(hf_dir, dtype, megatron=megatron)
+        if not rope_cos_sin_cache:
+            rope_fusion.install(cache_cos_sin=False)
         models = build_model(bridge, wrap_with_ddp=True)
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=dtype is torch.bfloat16,
                                 fused_adam=True)  # torch's fused AdamW, as on CUDA (it has a CPU kernel)
+    use_foreach_param_copy(foreach_param_copy)
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=1, fp32_logits=fp32_logits)
     tokens = torch.randint(0, config.vocab_size, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
     samples = [Sample(index=0, tokens=tokens, response_length=seq - 1)]
@@ -272,7 +287,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     """Kernels and MB per row (layer rows per layer), layout bytes split by category, each model side by side."""
     names = list(results)
     header = f"{'row':<10}" + "".join(f" | {n[:8]:>8} kern {'MB':>8} {'layoutMB':>8} {'cast':>7} {'copy':>7} "
-                                      f"{'cat':>7} {'fill':>7}" for n in names)
+                                      f"{'cat':>7} {'fill':>7} sync" for n in names)
     print(header)
     print("-" * len(header))
     for row in ROW_ORDER:
@@ -283,7 +298,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             total = sum(v[1] for v in cats.values()) / 1e6
             layout = [cats.get(c, [0, 0])[1] / 1e6 for c in LAYOUT]
             line += (f" | {'':>8} {kern:>4.0f} {total:>8.1f} {sum(layout):>8.1f} " +
-                     " ".join(f"{x:>7.1f}" for x in layout))
+                     " ".join(f"{x:>7.1f}" for x in layout) + f" {cats.get('sync', [0, 0])[0]:>4.0f}")
         print(line)
 
 
@@ -317,6 +332,10 @@ def main() -> None:
                         help="a megatron model option, as bench/train_step.py takes it; repeatable")
     parser.add_argument("--fp32-logits", action="store_true",
                         help="megatron: the logits upcast to fp32 before scoring (train.fp32_logits)")
+    parser.add_argument("--no-rope-cos-sin-cache", dest="rope_cos_sin_cache", action="store_false",
+                        help="megatron with apply_rope_fusion=true: cos/sin at every call, as before the cache")
+    parser.add_argument("--no-foreach-param-copy", dest="foreach_param_copy", action="store_false",
+                        help="megatron: its per-parameter fp32 -> bf16 copy after the optimizer step")
     parser.add_argument("--top", type=int, default=0, help="also list each row's N heaviest ops")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of tables")
     args = parser.parse_args()
@@ -328,7 +347,7 @@ def main() -> None:
     censuses = {}
     if args.which in ("both", "megatron"):
         censuses["megatron"] = megatron_census(config, args.seq, dtype, megatron_options(args.megatron),
-                                              args.fp32_logits)
+                                              args.fp32_logits, args.rope_cos_sin_cache, args.foreach_param_copy)
     if args.which in ("both", "hf"):
         censuses["hf"] = hf_census(config, args.seq, dtype)
     results = {name: {"rows": summarize(c, args.layers)} for name, c in censuses.items()}
