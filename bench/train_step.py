@@ -39,8 +39,10 @@ base's weight gradients are skipped, so the same MFU formula (6 x params) overst
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
 `--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
 apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
-so do `--fp32-logits` (megatron's fp32 upcast of the logits before scoring), `--no-rope-cos-sin-cache` and
-`--no-foreach-param-copy` (the work removed after bench/op_census.py's census, docs/megatron.md);
+so do `--fp32-logits` (megatron's fp32 upcast of the logits before scoring), `--no-rope-cos-sin-cache`,
+`--no-foreach-param-copy` and `--log-probs-chunk-size 441` (the compiled scoring's backward in chunks written and
+copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
+micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
 the JSON line says which ran. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
 graphs (slime/backends/megatron/cuda_graphs.py): the first step records and captures them, so keep
 `--warmup` >= 2; each further `--seq` captures anew. `--profile 30` then profiles one more step

@@ -205,7 +205,10 @@ class ResponseScores(torch.autograd.Function):
     At most one `[rows, chunk, V]` fp32 chunk (and its p) is alive at a time, none with `compiled` (the chunk's
     work torch.compile'd into fused kernels, `score_kernels`; same values to fp32 rounding). Positions past a row's
     length give log-prob and entropy 0 (the caller masks them). `chunk_size` <= 0 picks chunks of about
-    `CHUNK_ELEMENTS`; the values do not depend on it.
+    `CHUNK_ELEMENTS`; the values do not depend on it. Compiled, with `chunk_size` unset and no padded vocabulary,
+    the backward is one kernel over the whole logits that writes their gradient itself (`_whole_rows`), instead of
+    chunks each written and then copied into a zero-bordered gradient (one bf16 pass over `[B, S, V]` fewer); the
+    same pointwise arithmetic. An explicit `chunk_size` keeps the chunks (bench/train_step.py's A/B).
     """
 
     @staticmethod
@@ -234,16 +237,39 @@ class ResponseScores(torch.autograd.Function):
         starts, lengths, vocab_size, temperature, chunk_size, compiled = ctx.setup
         if grad_logp is None and grad_entropy is None:
             return torch.zeros_like(logits), None, None, None, None, None, None, None, None
-        grad = _unscored_zeroed(logits, starts, lengths, vocab_size)
         _, chunk_backward = score_kernels.kernels(compiled)
         if compiled:  # zeros for a missing gradient (same values): one compiled variant instead of three
             grad_logp = torch.zeros_like(log_z) if grad_logp is None else grad_logp
             grad_entropy = torch.zeros_like(log_z) if grad_entropy is None else grad_entropy
+            if chunk_size <= 0 and vocab_size == logits.shape[2]:
+                grad = chunk_backward(logits, *_whole_rows(logits, starts, lengths, targets, log_z, mean_z, grad_logp,
+                                                           grad_entropy), temperature)
+                return grad, None, None, None, None, None, None, None, None
+        grad = _unscored_zeroed(logits, starts, lengths, vocab_size)
         for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
             grad[rs, start + i:start + i + n, :vocab_size] = chunk_backward(
                 logits[rs, start + i:start + i + n, :vocab_size], _piece(targets, rs, i, n), _piece(log_z, rs, i, n),
                 _piece(mean_z, rs, i, n), _piece(grad_logp, rs, i, n), _piece(grad_entropy, rs, i, n), temperature)
         return grad, None, None, None, None, None, None, None, None
+
+
+def _whole_rows(logits: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...],
+                *response: torch.Tensor) -> list[torch.Tensor]:
+    """The backward's response-aligned `[B, R]` inputs (targets, log Z, E_p[z], the two gradients) laid out along
+    the logits' positions `[B, S]`, for one compiled backward over the whole logits: positions that score nothing
+    get log Z = +inf (so p = exp(z - log Z) = 0) and zero gradients, which makes their gradient exactly 0. The
+    kernel then writes the logits' gradient itself: no chunk written and copied into it, no zero-filling."""
+    rows, seq = logits.shape[:2]
+    out = []
+    for k, values in enumerate(response):
+        fill = float("inf") if k == 1 else 0  # k 1: log Z
+        full = torch.full((rows, seq), fill, dtype=values.dtype, device=values.device)
+        for rs, start, length, _ in _row_spans(starts, lengths):
+            n = min(max(length, 0), seq - max(start, 0))
+            if n > 0:
+                full[rs, start:start + n] = values[rs, :n]
+        out.append(full)
+    return out
 
 
 def _piece(values: torch.Tensor | None, rows: slice, i: int, n: int) -> torch.Tensor | None:
