@@ -6,6 +6,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --loss grpo --reuse-log-probs
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --no-fused-adam
+    python bench/train_step.py --model 0.5b --seq 4096 --global-batch 8 --micro-batch 1 --fp32-logits
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron gradient_accumulation_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
@@ -38,6 +39,10 @@ base's weight gradients are skipped, so the same MFU formula (6 x params) overst
 compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
 `--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
 apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
+so do `--fp32-logits` (megatron's fp32 upcast of the logits before scoring), `--no-rope-cos-sin-cache`,
+`--no-foreach-param-copy` and `--log-probs-chunk-size 441` (the compiled scoring's backward in chunks written and
+copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
+micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
 the JSON line says which ran. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
 graphs (slime/backends/megatron/cuda_graphs.py): the first step records and captures them, so keep
 `--warmup` >= 2; each further `--seq` captures anew. `--profile 30` then profiles one more step
@@ -73,6 +78,15 @@ def main() -> None:
     parser.add_argument("--compile-scores", action=argparse.BooleanOptionalAction, default=None,
                         help="train.compile_scores: the log-softmax over the vocabulary torch.compile'd (default: "
                              "on under CUDA with Triton); --no-compile-scores for the eager kernels")
+    parser.add_argument("--fp32-logits", action=argparse.BooleanOptionalAction, default=False,
+                        help="train.fp32_logits: megatron's Float16Module upcasts the logits to fp32 before they are "
+                             "scored (the default before it was off); off: scored from the bf16 logits, same values")
+    parser.add_argument("--rope-cos-sin-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="apply_rope_fusion's cos/sin once per angle table (rope_fusion.cached_cos_sin, the "
+                             "default); --no-rope-cos-sin-cache: at every layer's query and key, as before")
+    parser.add_argument("--foreach-param-copy", action=argparse.BooleanOptionalAction, default=True,
+                        help="the optimizer's fp32 -> bf16 parameter copy as one foreach copy (the default); "
+                             "--no-foreach-param-copy: megatron's copy_ per parameter")
     parser.add_argument("--log-probs-max-tokens", type=int, default=None, metavar="N",
                         help="--loss grpo: the forward-only log-prob passes packed by tokens, N per micro-batch (the "
                              "train actor's --use-dynamic-batch-size --log-probs-max-tokens-per-gpu N; training "
@@ -100,10 +114,10 @@ def main() -> None:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
 
-    from slime.backends.megatron import cuda_graphs, score_kernels
+    from slime.backends.megatron import cuda_graphs, rope_fusion, score_kernels
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
-    from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers
+    from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers, use_foreach_param_copy
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
@@ -113,21 +127,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
         bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
+        if not args.rope_cos_sin_cache:
+            rope_fusion.install(cache_cos_sin=False)
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
         ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
+    use_foreach_param_copy(args.foreach_param_copy)
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
                "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
                "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models),
-               "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda"))}
+               "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda")),
+               "fp32_logits": args.fp32_logits, "rope_cos_sin_cache": args.rope_cos_sin_cache,
+               "foreach_param_copy": args.foreach_param_copy}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
                             log_probs_chunk_size=args.log_probs_chunk_size, reuse_log_probs=args.reuse_log_probs,
-                            compile_scores=args.compile_scores)
+                            compile_scores=args.compile_scores, fp32_logits=args.fp32_logits)
     generator = torch.Generator().manual_seed(0)
     for n, seq in enumerate(args.seq):
         if n and cuda_graphs.enabled(models):  # graphs replay one shape: capture again for this length
@@ -213,7 +232,8 @@ def grpo_arrays(models: list[torch.nn.Module], ref_models: list[torch.nn.Module]
 
     batching = dict(vocab_size=vocab_size, micro_batch_size=settings.micro_batch_size,
                     chunk_size=settings.log_probs_chunk_size, temperature=settings.temperature,
-                    compile_scores=settings.compile_scores, use_dynamic_batch_size=max_tokens is not None,
+                    compile_scores=settings.compile_scores, fp32_logits=settings.fp32_logits,
+                    use_dynamic_batch_size=max_tokens is not None,
                     max_tokens_per_gpu=max_tokens)
     old = None if settings.reuse_log_probs else compute_log_probs(models, samples, **batching).log_probs
     return TrainArrays(advantages=advantages, old_log_probs=old,

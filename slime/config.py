@@ -482,6 +482,10 @@ class TrainConfig(_Section):
                                                           "scores response tokens (forward and backward, chunk by "
                                                           "chunk: fused kernels, no fp32 copy of the logits); "
                                                           "unset: on under CUDA with Triton; false: eager kernels")
+    fp32_logits: bool = Field(False, description="upcast the [B, S, V] logits to fp32 before scoring them "
+                                                 "(megatron's Float16Module does by default); false: the scoring "
+                                                 "reads the bf16 logits, upcasting chunk by chunk (the same "
+                                                 "values, without an fp32 copy of the logits and its gradient)")
     megatron_config_path: str | None = Field(None, description="slime's per-role Megatron YAML (megatron: [{name, "
                                                                "role: actor, overrides: {...}}]): the actor entry's "
                                                                "overrides win over flags and YAML; critic: ignored")

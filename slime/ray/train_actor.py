@@ -592,7 +592,7 @@ class TrainActor:
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
                         pad_token_id=self.tokenizer.pad_token_id or 0, pad_multiple=t.data_pad_size_multiplier,
                         chunk_size=t.log_probs_chunk_size, compile_scores=t.compile_scores,
-                        profile=lambda items: self.profiler.iterate("train_log_probs", items),
+                        fp32_logits=t.fp32_logits, profile=lambda items: self.profiler.iterate("train_log_probs", items),
                         workload=self._flops if t.balance_by_flops else None)
         old = entropies = None
         if not reuse:

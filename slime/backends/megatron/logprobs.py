@@ -115,11 +115,29 @@ def response_log_probs(
                         with_entropy=with_entropy, chunk_size=chunk_size)
 
 
-def forward_logits(model: torch.nn.Module, batch: PaddedBatch) -> torch.Tensor:
-    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch."""
+def forward_logits(model: torch.nn.Module, batch: PaddedBatch, fp32: bool = True) -> torch.Tensor:
+    """The model's logits `[B, S, V_padded]` (vocab-sharded under tensor parallelism) for the batch.
+
+    A bf16/fp16 model (megatron's `Float16Module`) returns them upcast to fp32 unless `fp32` is False: then in the
+    model's dtype, which `score_logits` reads as well (it computes in fp32 chunk by chunk, the same values:
+    the upcast is exact, and the logits' gradient is rounded to the model's dtype once either way). At 4096
+    positions of a 152k vocabulary the upcast writes a 2.5 GB fp32 copy, and its backward reads a 2.5 GB fp32
+    gradient (train.fp32_logits)."""
     seq = batch.tokens.shape[1]
     position_ids = torch.arange(seq, device=batch.tokens.device).unsqueeze(0).expand_as(batch.tokens)
-    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)
+    extra = {} if fp32 or not _float16_wrapped(model) else {"fp32_output": False}
+    return model(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None, **extra)
+
+
+def _float16_wrapped(model: torch.nn.Module) -> bool:
+    """Whether megatron's `Float16Module` (which takes `fp32_output`) is in the chain of wrappers (DDP, ...)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while model is not None:
+        if isinstance(model, Float16Module):
+            return True
+        model = getattr(model, "module", None)
+    return False
 
 
 def score_logits(logits: torch.Tensor, batch: PaddedBatch, *, vocab_size: int, temperature: float = 1.0,
@@ -187,7 +205,10 @@ class ResponseScores(torch.autograd.Function):
     At most one `[rows, chunk, V]` fp32 chunk (and its p) is alive at a time, none with `compiled` (the chunk's
     work torch.compile'd into fused kernels, `score_kernels`; same values to fp32 rounding). Positions past a row's
     length give log-prob and entropy 0 (the caller masks them). `chunk_size` <= 0 picks chunks of about
-    `CHUNK_ELEMENTS`; the values do not depend on it.
+    `CHUNK_ELEMENTS`; the values do not depend on it. Compiled, with `chunk_size` unset and no padded vocabulary,
+    the backward is one kernel over the whole logits that writes their gradient itself (`_whole_rows`), instead of
+    chunks each written and then copied into a zero-bordered gradient (one bf16 pass over `[B, S, V]` fewer); the
+    same pointwise arithmetic. An explicit `chunk_size` keeps the chunks (bench/train_step.py's A/B).
     """
 
     @staticmethod
@@ -216,16 +237,39 @@ class ResponseScores(torch.autograd.Function):
         starts, lengths, vocab_size, temperature, chunk_size, compiled = ctx.setup
         if grad_logp is None and grad_entropy is None:
             return torch.zeros_like(logits), None, None, None, None, None, None, None, None
-        grad = _unscored_zeroed(logits, starts, lengths, vocab_size)
         _, chunk_backward = score_kernels.kernels(compiled)
         if compiled:  # zeros for a missing gradient (same values): one compiled variant instead of three
             grad_logp = torch.zeros_like(log_z) if grad_logp is None else grad_logp
             grad_entropy = torch.zeros_like(log_z) if grad_entropy is None else grad_entropy
+            if chunk_size <= 0 and vocab_size == logits.shape[2]:
+                grad = chunk_backward(logits, *_whole_rows(logits, starts, lengths, targets, log_z, mean_z, grad_logp,
+                                                           grad_entropy), temperature)
+                return grad, None, None, None, None, None, None, None, None
+        grad = _unscored_zeroed(logits, starts, lengths, vocab_size)
         for rs, start, i, n in _chunks(starts, lengths, vocab_size, chunk_size):
             grad[rs, start + i:start + i + n, :vocab_size] = chunk_backward(
                 logits[rs, start + i:start + i + n, :vocab_size], _piece(targets, rs, i, n), _piece(log_z, rs, i, n),
                 _piece(mean_z, rs, i, n), _piece(grad_logp, rs, i, n), _piece(grad_entropy, rs, i, n), temperature)
         return grad, None, None, None, None, None, None, None, None
+
+
+def _whole_rows(logits: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...],
+                *response: torch.Tensor) -> list[torch.Tensor]:
+    """The backward's response-aligned `[B, R]` inputs (targets, log Z, E_p[z], the two gradients) laid out along
+    the logits' positions `[B, S]`, for one compiled backward over the whole logits: positions that score nothing
+    get log Z = +inf (so p = exp(z - log Z) = 0) and zero gradients, which makes their gradient exactly 0. The
+    kernel then writes the logits' gradient itself: no chunk written and copied into it, no zero-filling."""
+    rows, seq = logits.shape[:2]
+    out = []
+    for k, values in enumerate(response):
+        fill = float("inf") if k == 1 else 0  # k 1: log Z
+        full = torch.full((rows, seq), fill, dtype=values.dtype, device=values.device)
+        for rs, start, length, _ in _row_spans(starts, lengths):
+            n = min(max(length, 0), seq - max(start, 0))
+            if n > 0:
+                full[rs, start:start + n] = values[rs, :n]
+        out.append(full)
+    return out
 
 
 def _piece(values: torch.Tensor | None, rows: slice, i: int, n: int) -> torch.Tensor | None:
@@ -317,11 +361,11 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                       temperature: float = 1.0, with_entropy: bool = False, micro_batch_size: int = 1,
                       use_dynamic_batch_size: bool = False, max_tokens_per_gpu: int | None = None,
                       pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
-                      compile_scores: bool | None = None,
+                      compile_scores: bool | None = None, fp32_logits: bool = False,
                       profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
                       workload: Callable[[int], float] | None = None) -> SampleLogProbs:
     """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
-    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`)."""
+    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`); `fp32_logits`: see `forward_logits`."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
                           use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
                           workload=workload)
@@ -331,7 +375,7 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
 
     def run(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
         batch = padded[id(indices)] = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
-        return forward_logits(model, batch)
+        return forward_logits(model, batch, fp32=fp32_logits)
 
     def collect(indices: list[int], logits: torch.Tensor) -> tuple[list[int], PaddedBatch, tuple]:
         batch = padded.pop(id(indices))

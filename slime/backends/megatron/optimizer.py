@@ -25,6 +25,11 @@ it clips. `use_foreach_clipping` (called by `build_optimizer`) puts torch's mult
 their place: the same norm and scaling, a few kernels and no synchronisation per parameter (issue 18: the
 LoRA step, 224 adapter tensors at 1.5B, is launch-bound).
 
+Under bf16 megatron copies the fp32 main parameters back into the bf16 model parameters after each step with one
+`copy_` per parameter (its multi-tensor copy has no bf16 kernel, `_multi_tensor_copy_this_to_that`): ~170 launches a
+step at 0.5B (bench/op_census.py). `use_foreach_param_copy` (called by `build_optimizer`) makes that one
+`torch._foreach_copy_`: the same conversion (round to nearest even) in a few multi-tensor launches.
+
 Without Apex or Transformer Engine megatron also builds torch's AdamW with its defaults: the foreach
 (multi-tensor) kernels on CUDA. `use_fused_adam` (train.fused_adam, on by default where CUDA has no
 Apex/TE) switches its param groups to torch's fused AdamW kernel, one kernel per device and dtype for the
@@ -69,6 +74,7 @@ def build_optimizer(models: list[torch.nn.Module], *, lr: float, clip_grad: floa
                              bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=use_distributed_optimizer)
     use_foreach_clipping()
+    use_foreach_param_copy()
     megatron_optimizer = get_megatron_optimizer(config, models)
     for inner in _leaves(megatron_optimizer):
         if _is_distributed(inner):
@@ -147,6 +153,29 @@ def use_foreach_clipping() -> bool:
     clip_grads.l2_norm_impl = _foreach_l2_norm
     clip_grads.multi_tensor_scale_impl = _foreach_scale
     return True
+
+
+def use_foreach_param_copy(enabled: bool = True) -> None:
+    """Megatron's main -> model parameter copy (and back, at load) as `torch._foreach_copy_` (`enabled`), or its own
+    per-tensor loop; process-wide, like megatron's module function it replaces. Same values either way."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    global _loop_copy
+    if _loop_copy is None:
+        _loop_copy = mcore_optimizer._multi_tensor_copy_this_to_that
+    mcore_optimizer._multi_tensor_copy_this_to_that = _foreach_copy_this_to_that if enabled else _loop_copy
+
+
+_loop_copy: Any = None  # megatron's own _multi_tensor_copy_this_to_that, kept for use_foreach_param_copy(False)
+
+
+def _foreach_copy_this_to_that(this: list[torch.Tensor], that: list[torch.Tensor], overflow_buf: Any = None) -> None:
+    """megatron's `_multi_tensor_copy_this_to_that` contract (that[i] = this[i], converting the dtype); with an
+    overflow buffer (its fp16 multi-tensor path) megatron's own."""
+    if overflow_buf is not None:
+        _loop_copy(this, that, overflow_buf)
+    elif this:
+        torch._foreach_copy_(that, this)
 
 
 def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,

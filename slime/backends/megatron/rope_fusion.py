@@ -16,6 +16,13 @@ it where megatron's `apply_rotary_pos_emb` looks for TE's (the module global `fu
 `apply_rope_fusion` turns it on. Packed (THD) sequences need TE's THD kernel, which this does not provide;
 slime's batches are right-padded (the SDPA attention refuses packed sequences), so megatron never asks for it.
 
+cos/sin are computed once per angle table and dtype (`cached_cos_sin`), not per call: megatron passes every layer's
+query and key the same `freqs` tensor, and its `RotaryEmbedding` keeps that tensor across steps for a sequence
+length (an lru_cache), so the per-call `cos`, `sin` and two casts (4 launches per query and per key, 8 per layer:
+192 a forward pass of a 24-layer model; bench/op_census.py) become 4 per sequence length. The values are the same
+tensors' values; `install(cache_cos_sin=False)` restores the per-call computation for an A/B. A CUDA graph
+capture computes them inside the graph as before (a cached tensor freed later must not be read by a replay).
+
 Numerics: eager, `rotary` computes megatron's values bit for bit (tested on CPU). Compiled, the products of the
 bf16 input with the bf16 cos/sin are exact in fp32 and their sum is rounded to bf16 once, where megatron rounds
 each product and the sum: the compiled result is within one bf16 rounding of the exact rotation of the same
@@ -24,6 +31,8 @@ cancel: it is the more accurate of the two (tested against an fp64 rotation, on 
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -55,20 +64,45 @@ def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> t
 
 
 _compiled = torch.compile(rotate)
+# id(freqs) -> (a weak reference to freqs, its version, {dtype: (cos, sin)})
+_COS_SIN: dict[int, tuple[weakref.ref, int, dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+
+def cached_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos_sin(freqs, dtype)`, computed once while the same `freqs` tensor lives unchanged (megatron hands every
+    layer, and every step of one sequence length, the same one); outside a CUDA graph capture only."""
+    if freqs.requires_grad or (freqs.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return cos_sin(freqs, dtype)
+    entry = _COS_SIN.get(id(freqs))
+    if entry is None or entry[0]() is not freqs or entry[1] != freqs._version:
+        if len(_COS_SIN) >= 64:  # tables whose freqs are gone (megatron's lru_cache keeps 32)
+            for key in [k for k, (ref, _, _) in _COS_SIN.items() if ref() is None]:
+                del _COS_SIN[key]
+        entry = _COS_SIN[id(freqs)] = (weakref.ref(freqs), freqs._version, {})
+    tables = entry[2]
+    if dtype not in tables:
+        tables[dtype] = cos_sin(freqs, dtype)
+    return tables[dtype]
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """TE's `fused_apply_rotary_pos_emb(t, freqs, interleaved=...)` signature, as megatron calls it."""
+    return _compiled(t, *cached_cos_sin(freqs, t.dtype), interleaved)
+
+
+def fused_apply_rotary_pos_emb_uncached(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`fused_apply_rotary_pos_emb` with cos/sin computed at every call (the A/B of `install(cache_cos_sin=False)`)."""
     return _compiled(t, *cos_sin(freqs, t.dtype), interleaved)
 
 
-def install() -> bool:
-    """Let megatron's `apply_rope_fusion` use `fused_apply_rotary_pos_emb` (idempotent); False where TE provides
-    its kernel and that is used instead."""
+def install(cache_cos_sin: bool = True) -> bool:
+    """Let megatron's `apply_rope_fusion` use `fused_apply_rotary_pos_emb` (idempotent; `cache_cos_sin` False: the
+    uncached variant); False where TE provides its kernel and that is used instead."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    ours = (fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_uncached)
     current = rope_utils.fused_apply_rotary_pos_emb
-    if current is not None and current is not fused_apply_rotary_pos_emb:
+    if current is not None and current not in ours:
         return False
-    rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    rope_utils.fused_apply_rotary_pos_emb = ours[0] if cache_cos_sin else ours[1]
     return True

@@ -119,6 +119,7 @@ class StepSettings:
     data_pad_size_multiplier: int = 1  # micro-batch token width rounded up to a multiple of it
     log_probs_chunk_size: int = -1  # response positions scored per chunk (-1: all at once)
     compile_scores: bool | None = None  # the scoring chunks torch.compile'd (None: on under CUDA with Triton)
+    fp32_logits: bool = False  # Float16Module upcasts the logits to fp32 (False: scored from the model's dtype)
     recompute_loss_function: bool = False  # score and loss from the logits recomputed in the backward pass
     workload: Callable[[int], float] | None = None  # --balance-by-flops: a length's cost (batching.micro_batches)
     # slime's --custom-tis-function-path, bound to `args`: fn(*, pg_loss, train_log_probs, rollout_log_probs,
@@ -153,7 +154,7 @@ class StepSettings:
                    use_unbiased_kl=a.use_unbiased_kl, use_opsm=a.use_opsm, opsm_delta=a.opsm_delta,
                    get_mismatch_metrics=a.get_mismatch_metrics,
                    data_pad_size_multiplier=t.data_pad_size_multiplier, log_probs_chunk_size=t.log_probs_chunk_size,
-                   compile_scores=t.compile_scores,
+                   compile_scores=t.compile_scores, fp32_logits=t.fp32_logits,
                    recompute_loss_function=t.recompute_loss_function)
 
 
@@ -341,7 +342,8 @@ def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tu
         reported["loss"] = total.detach()
         return total * step.scale, reported
 
-    return forward_logits(model, micro.batch), loss_func
+    # a critic's values [B, S, 1] stay fp32 as megatron returns them: only the vocabulary's logits are large
+    return forward_logits(model, micro.batch, fp32=s.fp32_logits or s.loss_type == "value_loss"), loss_func
 
 
 def _loss_terms(step: _Step, micro: MicroBatch, output: torch.Tensor, entropy: torch.Tensor | None,

@@ -75,3 +75,32 @@ def test_fused_rope_model_matches_the_unfused_model(tiny_kit):
     assert row["logit_gap"] < 1e-6 * row["logit_scale"], row
     assert row["grad_gap"] < 1e-6 * row["grad_scale"], row
     assert row["available"] is False  # CPU: the bridge keeps it off by default
+
+
+def test_cached_cos_sin_gives_the_uncached_rotation_bit_for_bit_and_computes_once(monkeypatch):
+    """cos/sin once per angle table and dtype: the same outputs and gradients as computing them every call;
+    a table changed in place, or another dtype, is computed anew."""
+    calls = []
+    real = rope_fusion.cos_sin
+    monkeypatch.setattr(rope_fusion, "cos_sin", lambda freqs, dtype: calls.append(dtype) or real(freqs, dtype))
+    t, freqs = inputs(torch.bfloat16, 16)
+    plain = forward_backward(rope_fusion.fused_apply_rotary_pos_emb_uncached, t, freqs)
+    calls.clear()
+    for _ in range(3):  # three layers' queries (or keys) with the same freqs
+        cached = forward_backward(rope_fusion.fused_apply_rotary_pos_emb, t, freqs)
+        assert torch.equal(cached[0], plain[0]) and torch.equal(cached[1], plain[1])
+    assert calls == [torch.bfloat16]
+    forward_backward(rope_fusion.fused_apply_rotary_pos_emb, t.float(), freqs)
+    assert calls == [torch.bfloat16, torch.float32]
+    freqs.mul_(2.0)  # a changed table is not served from the cache
+    doubled = forward_backward(rope_fusion.fused_apply_rotary_pos_emb, t, freqs)
+    assert calls[-1] == torch.bfloat16 and len(calls) == 3
+    assert torch.equal(doubled[0], forward_backward(rope_fusion.fused_apply_rotary_pos_emb_uncached, t, freqs)[0])
+
+
+def test_install_can_choose_the_uncached_provider(monkeypatch):
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    assert rope_fusion.install(cache_cos_sin=False)
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb_uncached
+    assert rope_fusion.install()  # and back: both are ours
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb
