@@ -9,6 +9,12 @@ the graph of that bucket is replayed `--steps` times, timed by CUDA events (medi
 alternating for `--rounds` rounds; printed: the median of the rounds' medians, and the largest logit gap
 between the two (a sanity check: the same weights, another GEMM split, bf16). CUDA only.
 
+Both decoders run the decode step's rotary + key/value cache writes as one compiled function (the default:
+`slots.rotate_write_kv_fn`); a third, with fused projections and `fuse_kv_write=False` (what
+`--disable-fused-kv-write` runs on the engine: the compiled rotary, then two `index_put_`), is timed alongside,
+and the line ends with its step time and the fused K/V write's saving against it. `--disable-fused-kv-write`
+here builds the first two without it and skips the third (the figures before it existed).
+
     python bench/decode_step.py --random-qwen2 0.5b --batches 64 256
     python bench/decode_step.py --random-qwen2 0.5b --batches 256 --profile 30   # + the kernels of one replay
 
@@ -161,6 +167,8 @@ def main() -> None:
     parser.add_argument("--prefill-steps", type=int, default=20, help="--prefill: timed calls per round")
     parser.add_argument("--device", default="cuda", help="cpu: only for a smoke run of --prefill")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--disable-fused-kv-write", action="store_true",
+                        help="decode: every decoder with the rotary + K/V cache writes unfused (no A/B of it)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after timing, one replay of the fused graph per batch under torch.profiler "
                              "(--prefill: one slot prefill)")
@@ -184,9 +192,13 @@ def main() -> None:
     slots = max(args.batches)
     decoders = {}
     with torch.inference_mode():
-        for name, projections in (("unfused", None), ("fused", fusion)):
+        kv_write = not args.disable_fused_kv_write
+        variants = [("unfused", None, kv_write), ("fused", fusion, kv_write)]
+        if kv_write:
+            variants.append(("no fused kv write", fusion, False))
+        for name, projections, fuse_kv_write in variants:
             decoder = SlotDecoder(model, slots=slots, max_len=args.max_len, device=torch.device("cuda"),
-                                  cuda_graphs=True, projections=projections)
+                                  cuda_graphs=True, projections=projections, fuse_kv_write=fuse_kv_write)
             generator = torch.Generator(device="cuda").manual_seed(0)
             for cache in decoder.keys + decoder.values:
                 cache.normal_(generator=generator)
@@ -203,8 +215,14 @@ def main() -> None:
                 for name, graph in graphs.items():
                     times[name].append(call_ms(graph.replay, args.steps))
             unfused, fused = (statistics.median(times[n]) for n in ("unfused", "fused"))
-            print(f"batch {batch:4d} (bucket {bucket}): unfused {unfused:.3f} ms, fused {fused:.3f} ms per replayed "
-                  f"step ({(unfused - fused) / unfused:+.1%}); max |logit gap| {gap:.3g}", flush=True)
+            line = (f"batch {batch:4d} (bucket {bucket}): unfused {unfused:.3f} ms, fused {fused:.3f} ms per replayed "
+                    f"step ({(unfused - fused) / unfused:+.1%}); max |logit gap| {gap:.3g}")
+            if "no fused kv write" in times:
+                plain = statistics.median(times["no fused kv write"])
+                kv_gap = (logits["fused"] - logits["no fused kv write"]).abs().max().item()
+                line += (f"; fused, K/V write unfused {plain:.3f} ms (fused K/V write {(plain - fused) / plain:+.1%}, "
+                         f"max |logit gap| {kv_gap:.3g})")
+            print(line, flush=True)
             if args.sampler:
                 print(f"batch {batch:4d} {compare_sampler(logits['fused'], args.steps, args.rounds)}", flush=True)
             if args.profile:

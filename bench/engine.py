@@ -27,7 +27,8 @@ a full collection walking torch's and transformers' objects took 0.20 s of the c
 timed runs on an H200 (`client_gc_s`, still reported), so the runs timed the benchmark's collector, not the
 engine. `--disable-sampler-compile` passes the engine's flag (the sampler's common path eager on CUDA) for
 an A/B against the compiled default; `--disable-slot-prefill` likewise (prompts prefilled by the `transformers`
-forward and copied into the slots, against the slot prefill).
+forward and copied into the slots, against the slot prefill); `--disable-fused-kv-write` likewise (the decode
+step's rotary and two K/V cache writes as separate kernels, against the one compiled function).
 
 Figures go to docs/benchmarks.md (command, machine, median of the repeats).
 """
@@ -252,6 +253,8 @@ def main() -> None:
                         help="engine: sample eagerly on CUDA (the baseline of the compiled sampler)")
     parser.add_argument("--disable-slot-prefill", action="store_true",
                         help="engine: prefill by the transformers forward + a copy into the slots (the baseline)")
+    parser.add_argument("--disable-fused-kv-write", action="store_true",
+                        help="engine: the decode step's rotary and K/V cache writes unfused (the baseline)")
     parser.add_argument("--split", action="store_true",
                         help="print one JSON line: the server's split of each run's time (stats.py), medians")
     parser.add_argument("--client-procs", type=int, default=1,
@@ -279,7 +282,8 @@ def main() -> None:
                                           ("--disable-fused-projections", args.disable_fused_projections),
                                           ("--disable-gc-freeze", args.disable_gc_freeze),
                                           ("--disable-sampler-compile", args.disable_sampler_compile),
-                                          ("--disable-slot-prefill", args.disable_slot_prefill)) if on]
+                                          ("--disable-slot-prefill", args.disable_slot_prefill),
+                                          ("--disable-fused-kv-write", args.disable_fused_kv_write)) if on]
     if args.admission_window_ms is not None:
         engine_flags += ["--admission-window-ms", str(args.admission_window_ms)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -324,7 +328,8 @@ def main() -> None:
                                           disable_overlap_schedule=args.disable_overlap_schedule,
                                           disable_fused_projections=args.disable_fused_projections,
                                           disable_sampler_compile=args.disable_sampler_compile,
-                                          disable_slot_prefill=args.disable_slot_prefill))
+                                          disable_slot_prefill=args.disable_slot_prefill,
+                                          disable_fused_kv_write=args.disable_fused_kv_write))
         try:
             warm = asyncio.run(run_engine_in_process(engine, prompts, args.new_tokens))
             gc.collect()  # the in-process engine's objects too, as its server process does at start

@@ -68,6 +68,7 @@ class EngineArgs:
     disable_fused_projections: bool = False  # slot mode: q/k/v and gate/up as the modules' own GEMMs (fusion.py)
     disable_sampler_compile: bool = False  # CUDA: the sampler's common path eager (sampling.compiled_draw)
     disable_slot_prefill: bool = False  # slot mode: prefill by the transformers forward + a copy into the slots
+    disable_fused_kv_write: bool = False  # CUDA slot decode: rotary and the two K/V cache writes as separate kernels
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
@@ -113,6 +114,7 @@ class BuiltinEngine:
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
             admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
             compile_sampler=not args.disable_sampler_compile, slot_prefill=not args.disable_slot_prefill,
+            fuse_kv_write=not args.disable_fused_kv_write,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
@@ -352,6 +354,7 @@ class BuiltinEngine:
                                  "decodes_ahead": self.scheduler.decodes_ahead,
                                  "sampler_compiled": self.scheduler.compile_sampler,
                                  "slot_prefill": self.scheduler.slot_prefill,
+                                 "fused_kv_write": self.scheduler.fuse_kv_write,
                                  "generated_tokens": self.scheduler.generated_tokens,
                                  "paused": self.scheduler.paused,
                                  "last_weight_update": self.last_weight_update,

@@ -127,6 +127,7 @@ class Scheduler:
         gc_freeze: bool = False,
         compile_sampler: bool = True,
         slot_prefill: bool = True,
+        fuse_kv_write: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -154,6 +155,10 @@ class Scheduler:
         # slot mode: prompts prefilled by the slot decoder's own layer body, straight into their slots
         # (`SlotDecoder.prefill`) instead of the `transformers` forward + DynamicCache + `write_prefill`
         self.slot_prefill = slot_prefill and self.kv_cache == "slots"
+        # slot mode, CUDA graphs: the decode step's rotary + K/V cache writes as one compiled function
+        # (`slots.rotate_write_kv_fn`); on CPU eager, as the slot decoder's other compiled pieces
+        self.fuse_kv_write = (fuse_kv_write and self.kv_cache == "slots" and cuda_graphs
+                              and device.type == "cuda")
         self._slots: SlotDecoder | None = None
         # slot mode: q/k/v and gate/up weights made views into one buffer each, once (fusion.py); the
         # memory release parks those buffers (`fusion.weight_slots`)
@@ -629,7 +634,7 @@ class Scheduler:
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
                                       device=self.device, cuda_graphs=self.cuda_graphs,
-                                      projections=self.projections)
+                                      projections=self.projections, fuse_kv_write=self.fuse_kv_write)
         return self._slots
 
     def _prefill_slots(self, requests: list[Request]) -> None:

@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-slot-prefill", action="store_true",
                         help="slot mode: prefill prompts by the transformers forward and copy their keys/values into "
                              "the slots (default: the slot decoder's own layers write them there directly)")
+    parser.add_argument("--disable-fused-kv-write", action="store_true",
+                        help="CUDA slot decode: rotary, then the key and value cache writes as separate kernels "
+                             "(default: one torch.compile'd function rotates q/k and writes k/v in place)")
     parser.add_argument("--max-slot-tokens", type=int, default=4096,
                         help="slot mode: the most tokens (prompt + new) one request may hold")
     parser.add_argument("--mem-fraction-static", type=float,

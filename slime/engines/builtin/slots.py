@@ -30,6 +30,9 @@ graphs are captured (same formulas as the `transformers` modules; `fuse=False` k
 And where the scheduler fused the projections (`fusion.py`: each layer's q/k/v weights one buffer,
 gate/up another, the modules' parameters views into them), q/k/v is one GEMM and gate/up one, their
 outputs split, on CPU as on CUDA (`projections=None` keeps the modules' five GEMMs).
+In the decode step the rotary and the two key/value cache writes (`keys[rows, :, positions] = k`, an
+advanced-index `index_put_` each) are likewise one compiled function (`rotate_write_kv`, `fuse_kv_write=False`
+keeps the compiled rotary and the two writes); the prefill writes contiguous slices and keeps them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,6 +78,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rotate_write_kv_fn(apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    """The decode step's rotary + key/value cache write, as one function of the model's `apply_rotary_pos_emb`.
+
+    `rotate_write_kv(q, k, v, cos, sin, keys, values, rows, positions)` takes the step's queries [B, heads, 1, D],
+    keys and values [B, kv_heads, 1, D] (unrotated), the rotary tables and one layer's caches [slots, kv_heads,
+    max_len, D]; it writes the rotated key and the value of row i at `keys[rows[i], :, positions[i]]` (in place)
+    and returns the rotated queries. Eagerly that is the rotary kernel(s) and two `index_put_`; compiled
+    (`torch.compile(..., dynamic=True)`, as on CUDA) inductor turns the functionalized `index_put` + copy back
+    into a scatter straight into the cache buffers (its re-inplacing pass; a graph-level decision, shared by
+    the C++ and Triton backends). Read on CPU (TORCH_LOGS=output_code, torch 2.13): one fused C++ kernel
+    (`cpp_fused_add_cat_index_put_mul_neg_select_slice_unsqueeze_0`) that takes both caches as in/out pointers and
+    stores only at [row, :, position] (no loop over the caches' slots or length); its only allocations are
+    [B, heads|kv_heads, 1, D] (the rotated q it returns and rotate_half's temporaries), no cache-sized buffer and
+    no `copy_` (tests/engines/test_fused_kv_write.py reads that code; a `clone` + `copy_` written on purpose
+    showed up there as a loop over slots x kv_heads x max_len x D). On CUDA the Triton kernels (how many) are
+    not read yet: no GPU here."""
+
+    def rotate_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rotary(q, k, cos, sin)
+        keys[rows, :, positions] = k[:, :, 0]
+        values[rows, :, positions] = v[:, :, 0]
+        return q
+
+    return rotate_write_kv
+
+
 def _buckets(limit: int, start: int) -> list[int]:
     sizes, size = [], start
     while size < limit:
@@ -86,7 +118,8 @@ class SlotDecoder:
     """The slot cache of one model and its decode step (graph-captured on CUDA)."""
 
     def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
-                 fuse: bool = True, projections: ProjectionFusion | None = None) -> None:
+                 fuse: bool = True, projections: ProjectionFusion | None = None,
+                 fuse_kv_write: bool = True) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
@@ -110,6 +143,10 @@ class SlotDecoder:
         self.scaling = attention.scaling
         self._rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         self.fused = fuse and self.cuda_graphs
+        # the decode step's rotary + key/value writes as one compiled function (`rotate_write_kv_fn`)
+        self.fuse_kv_write = fuse_kv_write and self.fused
+        if self.fuse_kv_write:
+            self._rotate_write = torch.compile(rotate_write_kv_fn(self._rotate), dynamic=True)
         self._silu_mlp = getattr(config, "hidden_act", None) == "silu"
         if self.fused:  # compiled at the first decode, before any capture (see the module docstring)
             self._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
@@ -276,8 +313,11 @@ class SlotDecoder:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = self.keys[layer], self.values[layer]
-            keys[rows, :, positions] = k[:, :, 0]
-            values[rows, :, positions] = v[:, :, 0]
+            if self.fuse_kv_write:  # q, k unrotated: rotated and k, v written by one compiled function
+                q = self._rotate_write(q, k, v, cos, sin, keys, values, rows, positions)
+            else:
+                keys[rows, :, positions] = k[:, :, 0]
+                values[rows, :, positions] = v[:, :, 0]
             # grouped-query decode as plain attention: the heads sharing a key/value head become that
             # head's query rows ([B, kv_heads, heads / kv_heads, D]), so no key/value is repeated
             q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
@@ -285,13 +325,15 @@ class SlotDecoder:
                                                  attn_mask=mask, scale=self.scaling)
             return out.reshape(batch, 1, self.heads * self.head_dim)
 
-        return self.model.lm_head(self._layers(hidden, cos, sin, attend))[:, 0]
+        return self.model.lm_head(self._layers(hidden, cos, sin, attend, rotate=not self.fuse_kv_write))[:, 0]
 
-    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any) -> torch.Tensor:
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any,
+                rotate: bool = True) -> torch.Tensor:
         """The decoder layers and the final norm over `hidden` [B, T, H] (T = 1 in a decode step, the prompt
         width in a prefill): the normed last hidden states [B, T, H]. `attend(layer, q, k, v)` gets the rotated
         queries [B, heads, T, D] and keys, values [B, kv_heads, T, D], stores the keys/values where they belong
-        and returns the attention output [B, T, heads * D]."""
+        and returns the attention output [B, T, heads * D]. With `rotate=False` it gets q and k unrotated and
+        rotates them itself (the decode step's `rotate_write_kv`)."""
         batch, width = hidden.shape[:2]
         x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
@@ -303,7 +345,9 @@ class SlotDecoder:
             v = v.view(batch, width, self.kv_heads, self.head_dim)
             if hasattr(attention, "q_norm"):
                 q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = self._rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D]
+            if rotate:
+                q, k = self._rotate(q, k, cos, sin)
             out = attention.o_proj(attend(i, q, k, v.transpose(1, 2)))
             hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
             hidden, x = self._add_norm(hidden, self._mlp(i, layer.mlp, x), next_norm)
