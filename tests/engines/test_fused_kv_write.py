@@ -12,6 +12,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from slime.compiled import compiled
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.slots import SlotDecoder, rotate_write_kv_fn
@@ -36,12 +37,12 @@ def fuse_kv_write(decoder: SlotDecoder) -> list[int]:
     counts the compiled function's calls."""
     apply_rotary = decoder._rotate
     if apply_rotary not in _COMPILED:
-        _COMPILED[apply_rotary] = torch.compile(rotate_write_kv_fn(apply_rotary), dynamic=True)
-    compiled, calls = _COMPILED[apply_rotary], []
+        _COMPILED[apply_rotary] = compiled(rotate_write_kv_fn(apply_rotary), "(test)", dynamic=True)
+    built, calls = _COMPILED[apply_rotary], []
 
     def counted(*args):
         calls.append(1)
-        return compiled(*args)
+        return built(*args)
 
     decoder.fuse_kv_write = True
     decoder._rotate_write = counted

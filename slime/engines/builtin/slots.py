@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from slime.compiled import compiled
 from slime.engines.builtin.fusion import ProjectionFusion
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ class SlotDecoder:
         # the decode step's rotary + key/value writes as one compiled function (`rotate_write_kv_fn`)
         self.fuse_kv_write = fuse_kv_write and self.fused
         if self.fuse_kv_write:
-            self._rotate_write = torch.compile(rotate_write_kv_fn(self._rotate), dynamic=True)
+            self._rotate_write = compiled(rotate_write_kv_fn(self._rotate), "start the engine with "
+                                          "--disable-fused-kv-write for the rotary and two cache writes", dynamic=True)
         self._silu_mlp = getattr(config, "hidden_act", None) == "silu"
         if self.fused:  # compiled at the first decode, before any capture (see the module docstring)
             self._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
