@@ -93,8 +93,10 @@ def rotate_write_kv_fn(apply_rotary: Callable[..., tuple[torch.Tensor, torch.Ten
     stores only at [row, :, position] (no loop over the caches' slots or length); its only allocations are
     [B, heads|kv_heads, 1, D] (the rotated q it returns and rotate_half's temporaries), no cache-sized buffer and
     no `copy_` (tests/engines/test_fused_kv_write.py reads that code; a `clone` + `copy_` written on purpose
-    showed up there as a loop over slots x kv_heads x max_len x D). On CUDA the Triton kernels (how many) are
-    not read yet: no GPU here."""
+    showed up there as a loop over slots x kv_heads x max_len x D). The C++ backend puts every loop nest of a
+    graph in one kernel; this one has six (q's rotate_half halves and rotated q, k's halves, then the k and v
+    scatter in one nest). Triton launches loop nests of different shapes as separate kernels unless it fuses
+    them, so on CUDA it may be more than one launch (still no index_put_ of its own): not read yet, no GPU here."""
 
     def rotate_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
