@@ -1,0 +1,17 @@
+"""host_trims: megatron's linear layers without their per-call autocast context and tp_group deprecation warning
+train and score with the same bits (bf16 and fp32, CPU), and the trims are what runs."""
+
+import pytest
+from script_rows import run_script
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_host_trims_change_no_bits(dtype):
+    row = run_script("host_trims_parity.py", dtype, timeout=300)[0]
+    assert row["installed"] == [True, False], row
+    # on: every trainable linear backward skipped torch's autocast wrapper (2 layers x 4 + output layer, per
+    # micro-batch: 2 steps x 2 micro-batches); off: none did, and RowParallelLinear warned at each call
+    assert row["lean_calls"][0] >= 2 * 2 * (2 * 4 + 1) and row["lean_calls"][1] == 0, row
+    assert row["tp_warnings"][0] == 0 and row["tp_warnings"][1] > 0, row
+    assert row["losses"][0] == row["losses"][1] and row["grad_norms"][0] == row["grad_norms"][1], row
+    assert row["params_changed"] > 0 and row["params_identical"] and row["logp_identical"], row
