@@ -8,7 +8,7 @@ On an H100 the 0.5B step is bound by the host issuing kernels, not by the kernel
 (Qwen2: GQA attention with q/k/v bias, SwiGLU MLP, RMSNorm, rotary, tied embedding) gets tiny dimensions (hidden
 64, 4 heads / 2 KV heads, FFN 128, vocab 512, seq 16) so that each aten kernel on the CPU costs microseconds and
 the time a step takes is what the host pays: Python in megatron-core's modules, in slime's wrappers and hooks, and
-the dispatcher. Each model is built at `--layers` (default 2 and 4) and stepped `--warmup` + `--steps` times, as
+the dispatcher. Each model is built at `--layers` (default 2 and 6) and stepped `--warmup` + `--steps` times, as
 bench/train_step.py (`slime.backends.megatron.train.train_step`, SFT loss, megatron DDP and its optimizer) and
 bench/torch_reference.py (HF Qwen2, SDPA, AdamW) drive them; `logprobs` is `compute_log_probs` (forward only).
 
@@ -227,12 +227,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--which", choices=("all", "megatron", "hf", "logprobs"), default="all")
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 6])
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=8, help="samples per step, one per micro-batch")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--megatron", action="append", default=[], metavar="KEY=VALUE",
                         help="a megatron model option, as bench/train_step.py takes it; repeatable")
     parser.add_argument("--rope-cos-sin-cache", action=argparse.BooleanOptionalAction, default=True)

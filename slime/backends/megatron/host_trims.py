@@ -1,7 +1,7 @@
 """Host work megatron-core does per linear layer call that changes nothing: skipped.
 
 On an H100 the 0.5B train step is bound by the host issuing kernels (bench/host_cost.py, docs/megatron.md "Host
-cost of a train step"), so per-call Python in megatron's linear layers is paid ~1000 times a step. Two pieces of it
+cost of a train step"), so per-call Python in megatron's linear layers is paid ~1000 times a step. Three pieces of it
 do no work here:
 
 * `LinearWithGradAccumulationAndAsyncCommunication.backward` (every trainable linear layer's backward) is wrapped
@@ -14,6 +14,12 @@ do no work here:
   `get_tensor_model_parallel_group_if_none` then issues a `DeprecationWarning` (filtered by Python's warnings
   machinery at every call: ~5 us) before returning the default tensor-parallel group. `tp_group_if_none` returns
   that same group without the warning; expert groups and uninitialised states go to megatron's function.
+* Without tensor parallelism, `ColumnParallelLinear` passes its input through `copy_to_tensor_model_parallel_region`
+  and `RowParallelLinear` (and the vocab-parallel embedding) their output through
+  `reduce_from_tensor_model_parallel_region`: custom autograd Functions that are the identity both ways when the
+  group has one rank (megatron's `_reduce` returns its input then), yet cost a Python `Function.apply` forward and a
+  Python backward node each, 4 a layer per micro-batch. `copy_to_region` / `reduce_from_region` return the tensor
+  itself for a one-rank group (the same values forward and backward) and call megatron's functions otherwise.
 
 `install(True)` puts both in place (idempotent; `make_bridge` does it); `install(False)` restores megatron's
 originals, the A/B of `bench/train_step.py --no-host-trims` and `bench/host_cost.py --no-host-trims`.
@@ -45,6 +51,27 @@ def tp_group_if_none(tp_group: Any, is_expert: bool = False, check_initialized: 
     return _ORIGINAL["tp_group"](tp_group, is_expert=is_expert, check_initialized=check_initialized)
 
 
+def copy_to_region(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """megatron's `copy_to_tensor_model_parallel_region`, the tensor itself for a one-rank group."""
+    group = tp_group_if_none(group)
+    if group is not None and group.size() == 1:
+        return input_
+    return _ORIGINAL["copy_to"](input_, group=group)
+
+
+def reduce_from_region(input_: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """megatron's `reduce_from_tensor_model_parallel_region`, the tensor itself for a one-rank group."""
+    group = tp_group_if_none(group)
+    if group is not None and group.size() == 1:
+        return input_
+    return _ORIGINAL["reduce_from"](input_, group=group)
+
+
+_PATCHED = {"tp_group": ("get_tensor_model_parallel_group_if_none", tp_group_if_none),
+            "copy_to": ("copy_to_tensor_model_parallel_region", copy_to_region),
+            "reduce_from": ("reduce_from_tensor_model_parallel_region", reduce_from_region)}
+
+
 def install(enabled: bool = True) -> None:
     """Put the trims where megatron's linear layers look them up (`enabled`), or megatron's originals back."""
     from megatron.core.tensor_parallel import layers
@@ -55,9 +82,10 @@ def install(enabled: bool = True) -> None:
         backward = backward.__func__ if isinstance(backward, staticmethod) else backward
         if not hasattr(backward, "__wrapped__"):  # a megatron whose backward torch's custom_bwd does not wrap
             return
-        _ORIGINAL.update(backward=backward, tp_group=layers.get_tensor_model_parallel_group_if_none)
+        _ORIGINAL.update(backward=backward, **{key: getattr(layers, name) for key, (name, _) in _PATCHED.items()})
     function.backward = staticmethod(lean_backward if enabled else _ORIGINAL["backward"])
-    layers.get_tensor_model_parallel_group_if_none = tp_group_if_none if enabled else _ORIGINAL["tp_group"]
+    for key, (name, trimmed) in _PATCHED.items():
+        setattr(layers, name, trimmed if enabled else _ORIGINAL[key])
 
 
 def installed() -> bool:

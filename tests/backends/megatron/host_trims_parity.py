@@ -1,7 +1,7 @@
 """Run in a subprocess by test_host_trims.py: a tiny random bf16 Qwen2 trained two SFT steps and scored by
 `compute_log_probs`, once with host_trims installed and once with megatron's originals, from the same weights:
 losses, grad norms, updated weights and log-probs compared bit for bit; the trims' effects (no tp_group
-DeprecationWarning, megatron's undecorated backward called) recorded.
+DeprecationWarning, megatron's undecorated backward called, its identity region Functions not called) recorded.
 
     python host_trims_parity.py DTYPE   -> one JSON line (DTYPE bf16 or fp32)
 """
@@ -45,10 +45,21 @@ def main() -> None:
         return undecorated(*args, **kwargs)
 
     host_trims._ORIGINAL["backward"].__wrapped__ = counted  # what lean_backward calls directly
+
+    def counting(key):
+        original = host_trims._ORIGINAL[key]
+
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for key in ("copy_to", "reduce_from"):  # megatron's identity autograd Functions at one tensor-parallel rank
+        host_trims._ORIGINAL[key] = counting(key)
     out = {}
     for trims in (True, False):
         host_trims.install(trims)
-        calls["undecorated"] = 0
+        calls.update(undecorated=0, copy_to=0, reduce_from=0)
         with torch.no_grad():
             for param, value in zip(models[0].parameters(), start, strict=True):
                 param.copy_(value)
@@ -59,11 +70,13 @@ def main() -> None:
         logp = compute_log_probs(models, samples, vocab_size=512, micro_batch_size=2).log_probs
         out[trims] = {"metrics": metrics, "params": [p.detach().clone() for p in models[0].parameters()],
                       "logp": logp, "installed": host_trims.installed(), "lean_calls": calls["undecorated"],
+                      "region_calls": calls["copy_to"] + calls["reduce_from"],
                       "tp_warnings": sum("tp_group is None" in str(w.message) for w in caught)}
     on, off = out[True], out[False]
     print(json.dumps({
         "installed": [on["installed"], off["installed"]], "lean_calls": [on["lean_calls"], off["lean_calls"]],
         "tp_warnings": [on["tp_warnings"], off["tp_warnings"]],
+        "region_calls": [on["region_calls"], off["region_calls"]],
         "losses": [[m["sft_loss"] for m in on["metrics"]], [m["sft_loss"] for m in off["metrics"]]],
         "grad_norms": [[m["grad_norm"] for m in on["metrics"]], [m["grad_norm"] for m in off["metrics"]]],
         "params_identical": all(torch.equal(a, b) for a, b in zip(on["params"], off["params"], strict=True)),

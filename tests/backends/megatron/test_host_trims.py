@@ -1,5 +1,6 @@
-"""host_trims: megatron's linear layers without their per-call autocast context and tp_group deprecation warning
-train and score with the same bits (bf16 and fp32, CPU), and the trims are what runs."""
+"""host_trims: megatron's linear layers without their per-call autocast context, tp_group deprecation warning and
+one-rank identity region Functions train and score with the same bits (bf16 and fp32, CPU), and the trims are what
+runs."""
 
 import pytest
 from script_rows import run_script
@@ -13,5 +14,7 @@ def test_host_trims_change_no_bits(dtype):
     # micro-batch: 2 steps x 2 micro-batches); off: none did, and RowParallelLinear warned at each call
     assert row["lean_calls"][0] >= 2 * 2 * (2 * 4 + 1) and row["lean_calls"][1] == 0, row
     assert row["tp_warnings"][0] == 0 and row["tp_warnings"][1] > 0, row
+    # megatron's copy-to / reduce-from region Functions (identity at one rank): skipped on, 2 + 2 a layer off
+    assert row["region_calls"][0] == 0 and row["region_calls"][1] >= 2 * 2 * 2 * 4, row
     assert row["losses"][0] == row["losses"][1] and row["grad_norms"][0] == row["grad_norms"][1], row
     assert row["params_changed"] > 0 and row["params_identical"] and row["logp_identical"], row
