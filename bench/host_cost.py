@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python bench/host_cost.py                        # megatron and HF train steps, log-prob pass
     OMP_NUM_THREADS=1 python bench/host_cost.py --which megatron --profile 25
     OMP_NUM_THREADS=1 python bench/host_cost.py --which megatron --no-host-trims   # an A/B flag of bench/train_step.py
+    OMP_NUM_THREADS=1 python bench/host_cost.py --ab host-trims --lora-rank 8   # that change on/off, step by step
 
 On an H100 the 0.5B step is bound by the host issuing kernels, not by the kernels. Here the 0.5B layer structure
 (Qwen2: GQA attention with q/k/v bias, SwiGLU MLP, RMSNorm, rotary, tied embedding) gets tiny dimensions (hidden
@@ -126,6 +127,7 @@ def megatron_runner(config: Any, args: argparse.Namespace) -> dict[str, Any]:
     from slime.backends.megatron import host_trims, rope_fusion
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.logprobs import compute_log_probs
+    from slime.backends.megatron.lora import LoraSpec, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer, use_foreach_param_copy
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
@@ -138,7 +140,9 @@ def megatron_runner(config: Any, args: argparse.Namespace) -> dict[str, Any]:
         bridge = make_bridge(hf_dir, dtype, megatron=megatron)
         rope_fusion.install(cache_cos_sin=args.rope_cos_sin_cache)
         host_trims.install(args.host_trims)
-        models = build_model(bridge, wrap_with_ddp=True)
+        spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
+                        targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
+        models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
     optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=dtype is torch.bfloat16, fused_adam=True)
     use_foreach_param_copy(args.foreach_param_copy)
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=1)
@@ -237,6 +241,9 @@ def main() -> None:
                         help="a megatron model option, as bench/train_step.py takes it; repeatable")
     parser.add_argument("--rope-cos-sin-cache", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--foreach-param-copy", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="megatron: LoRA adapters of this rank on every linear layer, the base frozen "
+                             "(as bench/train_step.py --lora-rank)")
     parser.add_argument("--host-trims", action=argparse.BooleanOptionalAction, default=True,
                         help="slime/backends/megatron/host_trims.py on (the default) or off, as in bench/train_step.py")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",

@@ -3,7 +3,8 @@
 losses, grad norms, updated weights and log-probs compared bit for bit; the trims' effects (no tp_group
 DeprecationWarning, megatron's undecorated backward called, its identity region Functions not called) recorded.
 
-    python host_trims_parity.py DTYPE   -> one JSON line (DTYPE bf16 or fp32)
+    python host_trims_parity.py DTYPE [LORA_RANK]   -> one JSON line (DTYPE bf16 or fp32; LORA_RANK > 0: the model
+                                                       with LoRA adapters on its frozen linear layers)
 """
 
 import json
@@ -17,6 +18,7 @@ from transformers import Qwen2Config
 from slime.backends.megatron import host_trims
 from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
 from slime.backends.megatron.logprobs import compute_log_probs
+from slime.backends.megatron.lora import LoraSpec, lora_callback
 from slime.backends.megatron.optimizer import build_optimizer
 from slime.backends.megatron.train import StepSettings, train_step
 from slime.types import Sample
@@ -24,6 +26,9 @@ from slime.types import Sample
 
 def main() -> None:
     dtype = torch.bfloat16 if sys.argv[1] == "bf16" else torch.float32
+    rank = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank, dropout=0.0,
+                    targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if rank else None
     config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
                          max_position_embeddings=256)
@@ -31,20 +36,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as hf_dir:
         config.save_pretrained(hf_dir)
         bridge = make_bridge(hf_dir, dtype)
-        models = build_model(bridge, wrap_with_ddp=True)
+        models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
     start = [p.detach().clone() for p in models[0].parameters()]
     generator = torch.Generator().manual_seed(0)
     samples = [Sample(index=i, tokens=torch.randint(0, 512, (12 + 3 * i,), generator=generator).tolist(),
                       response_length=8 + 2 * i) for i in range(4)]
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=2)
-    undecorated = host_trims._ORIGINAL["backward"].__wrapped__
-    calls = {"undecorated": 0}
+    calls = {}
 
-    def counted(*args, **kwargs):
-        calls["undecorated"] += 1
-        return undecorated(*args, **kwargs)
+    def counted(key):
+        undecorated = host_trims._ORIGINAL[key].__wrapped__
 
-    host_trims._ORIGINAL["backward"].__wrapped__ = counted  # what lean_backward calls directly
+        def call(*args, **kwargs):
+            calls[key] += 1
+            return undecorated(*args, **kwargs)
+        return call
+
+    for key in ("backward", "frozen_backward"):  # what lean_backward / lean_frozen_backward call directly
+        host_trims._ORIGINAL[key].__wrapped__ = counted(key)
 
     def counting(key):
         original = host_trims._ORIGINAL[key]
@@ -59,7 +68,7 @@ def main() -> None:
     out = {}
     for trims in (True, False):
         host_trims.install(trims)
-        calls.update(undecorated=0, copy_to=0, reduce_from=0)
+        calls.update(backward=0, frozen_backward=0, copy_to=0, reduce_from=0)
         with torch.no_grad():
             for param, value in zip(models[0].parameters(), start, strict=True):
                 param.copy_(value)
@@ -69,12 +78,13 @@ def main() -> None:
             metrics = [train_step(models, optimizer, samples, settings, vocab_size=512) for _ in range(2)]
         logp = compute_log_probs(models, samples, vocab_size=512, micro_batch_size=2).log_probs
         out[trims] = {"metrics": metrics, "params": [p.detach().clone() for p in models[0].parameters()],
-                      "logp": logp, "installed": host_trims.installed(), "lean_calls": calls["undecorated"],
+                      "logp": logp, "installed": host_trims.installed(), "lean_calls": calls["backward"], "lean_frozen_calls": calls["frozen_backward"],
                       "region_calls": calls["copy_to"] + calls["reduce_from"],
                       "tp_warnings": sum("tp_group is None" in str(w.message) for w in caught)}
     on, off = out[True], out[False]
     print(json.dumps({
         "installed": [on["installed"], off["installed"]], "lean_calls": [on["lean_calls"], off["lean_calls"]],
+        "lean_frozen_calls": [on["lean_frozen_calls"], off["lean_frozen_calls"]],
         "tp_warnings": [on["tp_warnings"], off["tp_warnings"]],
         "region_calls": [on["region_calls"], off["region_calls"]],
         "losses": [[m["sft_loss"] for m in on["metrics"]], [m["sft_loss"] for m in off["metrics"]]],
