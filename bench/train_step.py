@@ -40,7 +40,8 @@ compare `tokens_per_s` and `peak_mem_gib` with the full run instead.
 `--no-fused-adam` (or `--fused-adam`), `--megatron gradient_accumulation_fusion=false` and `--megatron
 apply_rope_fusion=false` override the default kernel choices (docs/megatron.md) for an A/B in one session;
 so do `--fp32-logits` (megatron's fp32 upcast of the logits before scoring), `--no-rope-cos-sin-cache`,
-`--no-foreach-param-copy` and `--log-probs-chunk-size 441` (the compiled scoring's backward in chunks written and
+`--no-foreach-param-copy`, `--no-host-trims` (megatron's per-call autocast context and tp_group warning in its
+linear layers, slime/backends/megatron/host_trims.py; bench/host_cost.py) and `--log-probs-chunk-size 441` (the compiled scoring's backward in chunks written and
 copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
 micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
 the JSON line says which ran. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
@@ -87,6 +88,10 @@ def main() -> None:
     parser.add_argument("--foreach-param-copy", action=argparse.BooleanOptionalAction, default=True,
                         help="the optimizer's fp32 -> bf16 parameter copy as one foreach copy (the default); "
                              "--no-foreach-param-copy: megatron's copy_ per parameter")
+    parser.add_argument("--host-trims", action=argparse.BooleanOptionalAction, default=True,
+                        help="slime/backends/megatron/host_trims.py: megatron's linear layers without their per-call "
+                             "autocast context and tp_group deprecation warning (the default); --no-host-trims: as "
+                             "megatron has them")
     parser.add_argument("--log-probs-max-tokens", type=int, default=None, metavar="N",
                         help="--loss grpo: the forward-only log-prob passes packed by tokens, N per micro-batch (the "
                              "train actor's --use-dynamic-batch-size --log-probs-max-tokens-per-gpu N; training "
@@ -114,7 +119,7 @@ def main() -> None:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
 
-    from slime.backends.megatron import cuda_graphs, rope_fusion, score_kernels
+    from slime.backends.megatron import cuda_graphs, host_trims, rope_fusion, score_kernels
     from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
     from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers, use_foreach_param_copy
@@ -129,6 +134,7 @@ def main() -> None:
         bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
         if not args.rope_cos_sin_cache:
             rope_fusion.install(cache_cos_sin=False)
+        host_trims.install(args.host_trims)
         spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
                         targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
         models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
@@ -140,7 +146,7 @@ def main() -> None:
                "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models),
                "compiled_scores": score_kernels.use_compiled(args.compile_scores, torch.device("cuda")),
                "fp32_logits": args.fp32_logits, "rope_cos_sin_cache": args.rope_cos_sin_cache,
-               "foreach_param_copy": args.foreach_param_copy}
+               "foreach_param_copy": args.foreach_param_copy, "host_trims": args.host_trims}
     params = sum(p.numel() for p in models[0].parameters())
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,

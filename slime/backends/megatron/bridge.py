@@ -24,6 +24,8 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
 6. megatron's frozen-weight linear (every base weight under LoRA, what a freeze list freezes) ran a
    non-contiguous gradient as one small GEMM per sequence position (`frozen_linear.py`): `make_bridge`
    installs a wrapper that hands it contiguous tensors.
+7. megatron's linear layers pay per call for an autocast context and a deprecation warning that change
+   nothing here (`host_trims.py`): `make_bridge` skips them (same kernels, same bits).
 
 mbridge also writes the tied-embedding mapping into its *class* dict at construction, so a process
 that bridges a tied and then an untied model would map the output layer wrongly; each bridge gets
@@ -60,7 +62,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from slime.backends.megatron import cuda_graphs, frozen_linear, rope_fusion, wgrad_fusion
+    from slime.backends.megatron import cuda_graphs, frozen_linear, host_trims, rope_fusion, wgrad_fusion
     from slime.backends.megatron.attention import with_sdpa
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
@@ -222,6 +224,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     if chosen["gradient_accumulation_fusion"] and not wgrad_fusion.install():
         logger.info("gradient_accumulation_fusion: Apex's fused_weight_gradient_mlp_cuda")
     frozen_linear.install()
+    host_trims.install()
     bridge.set_extra_args(**chosen)
     name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
