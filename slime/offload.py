@@ -94,11 +94,29 @@ def module_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
 
 def frozen_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
     """The parameters of `module` that do not train (`requires_grad` False: a LoRA base, a freeze list's
-    layers), a tied one once. Megatron's DDP keeps trainable parameters in its buffers, which it offloads
-    itself; these live outside them and would otherwise stay on the GPU while the engines generate."""
+    layers), a tied one once. Megatron's DDP buffers never hold these; they would otherwise stay on the GPU
+    while the engines generate."""
     seen: set[int] = set()
     for name, param in module.named_parameters():
         if param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        yield prefix + name, _data_getter(param), _data_setter(param)
+
+
+def unbuffered_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
+    """The trainable parameters of a megatron DDP-wrapped `module` that its buffers' `offload_to_cpu` does not
+    move, a tied one once. A buffer holds the parameters in one contiguous tensor (`param_data`, which offload
+    frees) only under the distributed optimizer; otherwise `param_data` is None, each parameter keeps its own
+    storage, and `offload_to_cpu(move_params=True)` moves nothing but the gradients: the bf16 weights (1 GB at
+    0.5B, 14 GB at 7B) stayed on the GPU while the engines generated (found by the CUDA offload test)."""
+    held: set[int] = set()
+    for buffer in [*getattr(module, "buffers", []), *getattr(module, "expert_parallel_buffers", [])]:
+        if getattr(buffer, "param_data", None) is not None:
+            held.update(id(param) for param in buffer.params)
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        if not param.requires_grad or id(param) in held or id(param) in seen:
             continue
         seen.add(id(param))
         yield prefix + name, _data_getter(param), _data_setter(param)

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from slime.offload import HostParking, frozen_parameter_slots, module_slots, optimizer_slots
+from slime.offload import (
+    HostParking,
+    frozen_parameter_slots,
+    module_slots,
+    optimizer_slots,
+    unbuffered_parameter_slots,
+)
 
 gpu = pytest.mark.gpu
 
@@ -34,6 +40,41 @@ def test_frozen_parameter_slots_name_only_the_frozen_ones_and_a_tied_one_once():
     [(_, get, put)] = list(frozen_parameter_slots(model[1]))
     put(torch.zeros(4))  # moved by .data: the module's parameter object sees it
     assert get().data_ptr() == model[1].bias.data_ptr() and not model[1].bias.any()
+
+
+class _Buffer:
+    """What `unbuffered_parameter_slots` reads of megatron's `_ParamAndGradBuffer`: its parameters and whether it
+    holds them in one contiguous `param_data` (the distributed optimizer's layout) or not (None)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], param_data: torch.Tensor | None) -> None:
+        self.params, self.param_data = set(params), param_data
+
+
+def test_unbuffered_parameter_slots_name_trainable_weights_no_buffer_holds():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5, bias=False))
+    model[2].weight = model[0].weight  # tied: named once
+    model[1].bias.requires_grad_(False)  # frozen: frozen_parameter_slots' business
+    model.buffers = [_Buffer([model[0].weight, model[1].weight], param_data=None)]  # megatron DDP's attribute
+    assert [key for key, _, _ in unbuffered_parameter_slots(model, prefix="p.")] == ["p.0.weight", "p.1.weight"]
+    # under the distributed optimizer the buffer's offload moves its parameters itself: none is named
+    model.buffers = [_Buffer([model[0].weight], param_data=torch.zeros(1)), _Buffer([model[1].weight], None)]
+    assert [key for key, _, _ in unbuffered_parameter_slots(model)] == ["1.weight"]
+
+
+def test_megatron_ddp_without_the_distributed_optimizer_keeps_weights_outside_its_buffers(tiny_kit):
+    """The premise of `unbuffered_parameter_slots`, on the real megatron-core: a DDP-wrapped model without the
+    distributed optimizer (one data-parallel rank, the colocated default) has buffers without `param_data`, so
+    their `offload_to_cpu(move_params=True)` moves no weight; every trainable parameter must be parked."""
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+
+    init_megatron(seed=0, megatron={})
+    bridge = make_bridge(tiny_kit.model_dir, torch.bfloat16, megatron={"bf16": True})
+    [model] = build_model(bridge, tiny_kit.model_dir, wrap_with_ddp=True)
+    assert model.buffers and all(buffer.param_data is None for buffer in model.buffers)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    slots = list(unbuffered_parameter_slots(model))
+    assert len(slots) == len(trainable) > 0
+    assert {id(p) for buffer in model.buffers for p in buffer.params} == trainable  # the same parameters
 
 
 def test_module_slots_name_a_tied_weight_once():

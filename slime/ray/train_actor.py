@@ -774,8 +774,9 @@ class TrainActor:
         (gradients are dropped: the next step zeroes them), the optimizer's fp32 main weights and moments to
         pinned host twins kept from step to step (`slime.offload`; megatron-core's own optimizer offload
         copies into fresh pageable memory, 3 s for a 0.5B model's Adam state on an H100), and to the same
-        twins what lives outside those: the frozen parameters (a LoRA base, freeze lists) and the KL reference
-        model. A no-op on CPU."""
+        twins what lives outside those: the frozen parameters (a LoRA base, freeze lists), the trainable ones
+        where the DDP buffers hold no copy of them (without the distributed optimizer, megatron's buffers keep
+        only the gradients) and the KL reference model. A no-op on CPU."""
         import torch
 
         if not torch.cuda.is_available() or self.offloaded:
@@ -814,11 +815,14 @@ class TrainActor:
 
     def frozen_slots(self) -> Any:
         """What `offload` moves besides the DDP buffers and the optimizer: each policy chunk's frozen
-        parameters and every tensor of the reference and OPD teacher models (no DDP, never trained)."""
-        from slime.offload import frozen_parameter_slots, module_slots
+        parameters, its trainable ones where the DDP buffers do not hold them (without the distributed
+        optimizer: `offload.unbuffered_parameter_slots`), and every tensor of the reference and OPD teacher
+        models (no DDP, never trained)."""
+        from slime.offload import frozen_parameter_slots, module_slots, unbuffered_parameter_slots
 
         for k, model in enumerate(self.models):
             yield from frozen_parameter_slots(model, prefix=f"frozen{k}.")
+            yield from unbuffered_parameter_slots(model, prefix=f"policy{k}.")
         for k, model in enumerate(self.ref_models or []):
             yield from module_slots(model, prefix=f"ref{k}.")
         for k, model in enumerate(self.teacher_models or []):
