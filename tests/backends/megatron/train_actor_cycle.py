@@ -121,12 +121,14 @@ def main(model_dir: str, work: Path, load: bool, with_lora: bool = False, load_f
     # the KL reference model, counted against the modules themselves
     keys = [key for key, _, _ in actor.frozen_slots()]
     frozen = sum(1 for m in actor.models for p in {id(p): p for p in m.parameters()}.values() if not p.requires_grad)
+    trainable = sum(1 for m in actor.models for p in {id(p): p for p in m.parameters()}.values() if p.requires_grad)
     reference = sum(len({id(t) for t in [*m.parameters(), *m.buffers()]}) for m in actor.ref_models or [])
     offloaded = actor.offload()
     live = largest_live() if fixed else []  # while offloaded: what stayed on the GPU
     actor.onload()
     print(json.dumps({"case": "offload/onload", "moved": moved(), "frozen_slots": sum(k.startswith("frozen") for k in keys),
                       "frozen_params": frozen, "ref_slots": sum(k.startswith("ref") for k in keys), "ref_tensors": reference,
+                      "policy_slots": sum(k.startswith("policy") for k in keys), "trainable_params": trainable,
                       # CUDA: what stays allocated while offloaded, against the weights of policy and reference
                       "gpu_bytes_offloaded": offloaded.get("gpu_bytes"), "frozen_bytes": offloaded.get("frozen_bytes"),
                       "gpu_bytes_fixed": fixed, "largest_live": live,
