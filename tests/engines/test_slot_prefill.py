@@ -211,3 +211,63 @@ def test_the_flag_reaches_the_scheduler_and_server_info(tiny_kit, engines):
         assert dynamic.scheduler.slot_prefill is False  # no slots to prefill into
     finally:
         dynamic.shutdown()
+
+
+# ------------------------------------------------------------------ chunked prefill (--chunked-prefill-size)
+
+
+@pytest.mark.parametrize(("lengths", "limit", "chunks"), [
+    ([3, 5, 2, 8], 10, [(0, 2), (2, 3), (3, 4)]),  # 2 x 5 fits, 3 x 5 does not; 2 x 8 does not
+    ([4, 4, 4, 4], 8, [(0, 2), (2, 4)]),
+    ([20, 1], 10, [(0, 1), (1, 2)]),  # a prompt over the limit is a chunk of its own
+    ([3, 5, 2, 8], -1, [(0, 4)]),  # no limit: the whole group
+])
+def test_prefill_chunks_bound_rows_times_the_longest_prompt(engines, lengths, limit, chunks, monkeypatch):
+    scheduler = engines[False].scheduler
+    monkeypatch.setattr(scheduler, "chunked_prefill_size", limit)
+    assert scheduler._prefill_chunks(lengths) == chunks
+
+
+def test_a_group_over_the_chunk_size_is_prefilled_in_chunks_and_generates_the_same(tiny_kit, engines, monkeypatch):
+    """Six prompts under a limit of two rows' worth of padded tokens: three slot prefills at slots 0, 2 and 4, and
+    the tokens and log-probs of one unchunked prefill."""
+    tok = engines[False].tokenizer
+    prompts = [tok.encode(f"{i}+{i + 10}=") for i in range(10, 16)]
+    assert len({len(p) for p in prompts}) == 1  # one length: 2 rows per chunk
+    limit = 2 * len(prompts[0])
+    chunked = BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), random_seed=3, kv_cache="slots",
+                                       chunked_prefill_size=limit))
+    calls = []
+    original = SlotDecoder.prefill
+
+    def spied(self, chunk, first_slot):
+        calls.append((len(chunk), first_slot))
+        return original(self, chunk, first_slot)
+
+    monkeypatch.setattr(SlotDecoder, "prefill", spied)
+    body = {"input_ids": prompts, "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": i, "ignore_eos": True}
+                                for i in range(len(prompts))]}
+    try:
+        split = asyncio.run(chunked.generate(body))
+        assert calls == [(2, 0), (2, 2), (2, 4)]
+        calls.clear()
+        whole = asyncio.run(engines[False].generate(body))
+        assert calls == [(6, 0)]
+    finally:
+        chunked.shutdown()
+    for a, b in zip(split, whole, strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert max(abs(x[0] - y[0]) for x, y in zip(a["meta_info"]["output_token_logprobs"],
+                                                    b["meta_info"]["output_token_logprobs"], strict=True)) < 1e-5
+
+
+def test_chunked_prefill_size_flag_and_its_refusal(tiny_kit):
+    from slime.engines.builtin.server import build_parser, engine_args_from
+    from slime.errors import ConfigError
+
+    args = engine_args_from(build_parser().parse_args(["--model", "m", "--chunked-prefill-size", "4096"]))
+    assert args.chunked_prefill_size == 4096
+    assert engine_args_from(build_parser().parse_args(["--model", "m"])).chunked_prefill_size == 32768
+    with pytest.raises(ConfigError, match="--chunked-prefill-size"):
+        BuiltinEngine(EngineArgs(model_path=str(tiny_kit.model_dir), chunked_prefill_size=0))

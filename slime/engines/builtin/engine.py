@@ -69,6 +69,7 @@ class EngineArgs:
     disable_sampler_compile: bool = False  # CUDA: the sampler's common path eager (sampling.compiled_draw)
     disable_slot_prefill: bool = False  # slot mode: prefill by the transformers forward + a copy into the slots
     disable_fused_kv_write: bool = False  # CUDA slot decode: rotary and the two K/V cache writes as separate kernels
+    chunked_prefill_size: int = 32768  # slot prefill: padded prompt tokens per forward pass (-1: one pass a group)
     mem_fraction_static: float | None = None  # a GPU shared with a train rank: this engine's part (memory.py)
     enable_lora: bool = False  # SGLang's LoRA flags: /load_lora_adapter merges one adapter (lora.py)
     max_lora_rank: int | None = None
@@ -101,6 +102,9 @@ class BuiltinEngine:
     def __init__(self, args: EngineArgs) -> None:
         if not args.admission_window_ms >= 0:
             raise ConfigError(f"--admission-window-ms must be >= 0, got {args.admission_window_ms}")
+        if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+            raise ConfigError(f"--chunked-prefill-size must be a positive number of tokens or -1 (no limit), "
+                              f"got {args.chunked_prefill_size}")
         self.args = args
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
@@ -114,7 +118,7 @@ class BuiltinEngine:
             overlap=not args.disable_overlap_schedule, fuse_projections=not args.disable_fused_projections,
             admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
             compile_sampler=not args.disable_sampler_compile, slot_prefill=not args.disable_slot_prefill,
-            fuse_kv_write=not args.disable_fused_kv_write,
+            fuse_kv_write=not args.disable_fused_kv_write, chunked_prefill_size=args.chunked_prefill_size,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided

@@ -128,6 +128,7 @@ class Scheduler:
         compile_sampler: bool = True,
         slot_prefill: bool = True,
         fuse_kv_write: bool = True,
+        chunked_prefill_size: int = 32768,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -155,6 +156,9 @@ class Scheduler:
         # slot mode: prompts prefilled by the slot decoder's own layer body, straight into their slots
         # (`SlotDecoder.prefill`) instead of the `transformers` forward + DynamicCache + `write_prefill`
         self.slot_prefill = slot_prefill and self.kv_cache == "slots"
+        # its activations grow with rows x longest prompt (a 7B MLP holds ~76 KB a token): a group is
+        # prefilled in row chunks of at most this many padded tokens (SGLang's --chunked-prefill-size)
+        self.chunked_prefill_size = chunked_prefill_size
         # slot mode, CUDA graphs: the decode step's rotary + K/V cache writes as one compiled function
         # (`slots.rotate_write_kv_fn`); on CPU eager, as the slot decoder's other compiled pieces
         self.fuse_kv_write = (fuse_kv_write and self.kv_cache == "slots" and cuda_graphs
@@ -641,9 +645,26 @@ class Scheduler:
         """The slot prefill: the group's prompts run through the slot decoder's layers into the next free
         slots, then their first tokens are sampled from the last positions' logits."""
         first = len(self._batch.requests) if self._batch else 0
-        logits = self._slot_decoder().prefill([r.input_ids for r in requests], first_slot=first)
+        decoder = self._slot_decoder()
+        logits = torch.cat([decoder.prefill([r.input_ids for r in requests[start:end]], first_slot=first + start)
+                            for start, end in self._prefill_chunks([len(r.input_ids) for r in requests])])
         tokens = self._choose(requests, logits)
         self._append_slots(requests, tokens, [len(r.input_ids) for r in requests])
+
+    def _prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """[start, end) row ranges, in order, each at most `chunked_prefill_size` padded tokens (its rows x its
+        longest prompt; a single row over it is a chunk of its own); one range when the limit is -1."""
+        limit = self.chunked_prefill_size
+        if limit < 0:
+            return [(0, len(lengths))]
+        chunks, start, width = [], 0, 0
+        for row, n in enumerate(lengths):
+            if row > start and (row - start + 1) * max(width, n) > limit:
+                chunks.append((start, row))
+                start, width = row, 0
+            width = max(width, n)
+        chunks.append((start, len(lengths)))
+        return chunks
 
     def _merge_slots(self, new: _Batch) -> None:
         """Copy the prefilled rows' keys/values into the next free slots."""

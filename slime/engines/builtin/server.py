@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-slot-prefill", action="store_true",
                         help="slot mode: prefill prompts by the transformers forward and copy their keys/values into "
                              "the slots (default: the slot decoder's own layers write them there directly)")
+    parser.add_argument("--chunked-prefill-size", type=int, default=EngineArgs.chunked_prefill_size,
+                        help="slot prefill: at most this many padded prompt tokens (rows x longest prompt) per forward "
+                             "pass; a larger admitted group is prefilled in row chunks, which bounds the prefill's "
+                             "activation memory (a single longer prompt still takes one pass); -1: no limit")
     parser.add_argument("--disable-fused-kv-write", action="store_true",
                         help="CUDA slot decode: rotary, then the key and value cache writes as separate kernels "
                              "(default: one torch.compile'd function rotates q/k and writes k/v in place)")
