@@ -144,18 +144,20 @@ class SlotDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = attention.scaling
-        self._rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        self._rotate = apply_rotary
         self.fused = fuse and self.cuda_graphs
-        # the decode step's rotary + key/value writes as one compiled function (`rotate_write_kv_fn`)
-        self.fuse_kv_write = fuse_kv_write and self.fused
-        if self.fuse_kv_write:
-            self._rotate_write = compiled(rotate_write_kv_fn(self._rotate), "start the engine with "
-                                          "--disable-fused-kv-write for the rotary and two cache writes", dynamic=True)
         self._silu_mlp = getattr(config, "hidden_act", None) == "silu"
         if self.fused:  # compiled at the first decode, before any capture (see the module docstring)
             self._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
             self._rotate = torch.compile(self._rotate, dynamic=True)
             self._silu_mul = torch.compile(silu_mul, dynamic=True)
+        # the decode step's rotary + key/value writes (`rotate_write_kv_fn`): one compiled function, or the
+        # rotary above and two `index_put_`
+        self.fuse_kv_write = fuse_kv_write and self.fused
+        self._rotate_write = (compiled(rotate_write_kv_fn(apply_rotary), "start the engine with --disable-fused-kv-write "
+                                       "for the rotary and two cache writes", dynamic=True)
+                              if self.fuse_kv_write else rotate_write_kv_fn(self._rotate))
         dtype = next(model.parameters()).dtype
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -317,11 +319,7 @@ class SlotDecoder:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = self.keys[layer], self.values[layer]
-            if self.fuse_kv_write:  # q, k unrotated: rotated and k, v written by one compiled function
-                q = self._rotate_write(q, k, v, cos, sin, keys, values, rows, positions)
-            else:
-                keys[rows, :, positions] = k[:, :, 0]
-                values[rows, :, positions] = v[:, :, 0]
+            q = self._rotate_write(q, k, v, cos, sin, keys, values, rows, positions)  # q, k come unrotated
             # grouped-query decode as plain attention: the heads sharing a key/value head become that
             # head's query rows ([B, kv_heads, heads / kv_heads, D]), so no key/value is repeated
             q = q.reshape(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
@@ -329,7 +327,7 @@ class SlotDecoder:
                                                  attn_mask=mask, scale=self.scaling)
             return out.reshape(batch, 1, self.heads * self.head_dim)
 
-        return self.model.lm_head(self._layers(hidden, cos, sin, attend, rotate=not self.fuse_kv_write))[:, 0]
+        return self.model.lm_head(self._layers(hidden, cos, sin, attend, rotate=False))[:, 0]
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any,
                 rotate: bool = True) -> torch.Tensor:
@@ -337,7 +335,7 @@ class SlotDecoder:
         width in a prefill): the normed last hidden states [B, T, H]. `attend(layer, q, k, v)` gets the rotated
         queries [B, heads, T, D] and keys, values [B, kv_heads, T, D], stores the keys/values where they belong
         and returns the attention output [B, T, heads * D]. With `rotate=False` it gets q and k unrotated and
-        rotates them itself (the decode step's `rotate_write_kv`)."""
+        rotates them itself (the decode step's `rotate_write_kv`, fused or not)."""
         batch, width = hidden.shape[:2]
         x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
