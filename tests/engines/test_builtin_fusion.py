@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from slot_models import small, tiny
 
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ATTENTION, MLP, ProjectionFusion, weight_slots
@@ -22,19 +22,6 @@ from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_t
 
 PROMPT = [52, 43, 53, 61, 7, 19, 33, 8]
 NEW = 8
-
-
-def tiny(tiny_kit):
-    return AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
-
-
-def small(kind):
-    """A random model of another family: Llama and Qwen3 have no projection biases, Qwen3 has q/k norms."""
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape) if kind == "llama" else Qwen3Config(**shape, head_dim=16)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def decode_logits(model, projections, steps=3, batch=5):

@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
+from slot_models import build
 from torch._inductor.utils import run_and_get_code
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from slime.compiled import compiled
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
@@ -20,16 +20,6 @@ from slime.engines.builtin.slots import SlotDecoder, rotate_write_kv_fn
 CPU = torch.device("cpu")
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [9], [12, 13, 14, 15, 16, 17]]
 _COMPILED: dict = {}  # one compiled function per model type's rotary, shared by the tests (compiling is ~10 s)
-
-
-def build(tiny_kit, kind):
-    if kind == "qwen2":
-        return AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape) if kind == "llama" else Qwen3Config(**shape, head_dim=16)  # Qwen3: q/k norms
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def fuse_kv_write(decoder: SlotDecoder) -> list[int]:

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config
+from slot_models import build
+from transformers import DynamicCache
 
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
@@ -17,16 +18,6 @@ from slime.engines.builtin.slots import SlotDecoder, add_rms_norm, silu_mul
 CPU = torch.device("cpu")
 UNEQUAL = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5], [9], [12, 13, 14, 15, 16, 17]]
 EQUAL = [[5, 6, 7, 8, 9], [40, 3, 4, 5, 6], [9, 8, 7, 6, 5]]
-
-
-def build(tiny_kit, kind):
-    if kind == "qwen2":
-        return AutoModelForCausalLM.from_pretrained(tiny_kit.model_dir, dtype=torch.float32).eval()
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape) if kind == "llama" else Qwen3Config(**shape, head_dim=16)  # Qwen3: q/k norms
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def hf_prefill(model, prompts, decoder, first_slot):
