@@ -36,7 +36,6 @@ import io
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,29 +121,16 @@ def timed_optimizer(optimizer: Any) -> list[float]:
 def megatron_runner(config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The Megatron model and a train step / log-prob pass over `args.micro_batches` samples, as bench/train_step.py."""
     from mbridge.core.util import unwrap_model
-    from train_step import megatron_options
+    from train_step import build_megatron, megatron_options
 
-    from slime.backends.megatron import host_trims, rope_fusion
-    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
     from slime.backends.megatron.logprobs import compute_log_probs
-    from slime.backends.megatron.lora import LoraSpec, lora_callback
-    from slime.backends.megatron.optimizer import build_optimizer, use_foreach_param_copy
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
-    megatron = megatron_options(args.megatron)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    init_megatron(seed=0, megatron=megatron)
-    with tempfile.TemporaryDirectory() as hf_dir:
-        config.save_pretrained(hf_dir)
-        bridge = make_bridge(hf_dir, dtype, megatron=megatron)
-        rope_fusion.install(cache_cos_sin=args.rope_cos_sin_cache)
-        host_trims.install(args.host_trims)
-        spec = LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
-                        targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
-        models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
-    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=dtype is torch.bfloat16, fused_adam=True)
-    use_foreach_param_copy(args.foreach_param_copy)
+    _, models, _, optimizer = build_megatron(config, dtype, megatron_options(args.megatron), lora_rank=args.lora_rank,
+                                             fused_adam=True, rope_cos_sin_cache=args.rope_cos_sin_cache,
+                                             trims=args.host_trims, foreach_param_copy=args.foreach_param_copy)
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=1)
     generator = torch.Generator().manual_seed(0)
     samples = [Sample(index=i, tokens=torch.randint(0, config.vocab_size, (args.seq,), generator=generator).tolist(),
@@ -161,9 +147,7 @@ def hf_runner(config: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model, optimizer = build(config, torch.device("cpu"), grad_checkpointing=False, dtype=dtype)
-    for group in optimizer.param_groups:
-        group["fused"], group["foreach"] = True, False
+    model, optimizer = build(config, torch.device("cpu"), grad_checkpointing=False, dtype=dtype, fused=True)
     tokens = torch.randint(0, config.vocab_size, (args.micro_batches, args.seq),
                            generator=torch.Generator().manual_seed(0))
     return {"layers": list(model.model.layers), "optimizer": optimizer,

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -220,23 +219,15 @@ def megatron_census(config: Any, seq: int, dtype: torch.dtype, megatron: dict[st
     """One SFT train step (one micro-batch of one sample) of the Megatron model, built as bench/train_step.py
     builds it; the step runs twice (the first allocates the optimizer state), the second is counted."""
     from mbridge.core.util import unwrap_model
+    from train_step import build_megatron
 
-    from slime.backends.megatron import rope_fusion
-    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
-    from slime.backends.megatron.optimizer import build_optimizer, use_foreach_param_copy
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
-    init_megatron(seed=0, megatron=megatron)
-    with tempfile.TemporaryDirectory() as hf_dir:
-        config.save_pretrained(hf_dir)
-        bridge = make_bridge(hf_dir, dtype, megatron=megatron)
-        if not rope_cos_sin_cache:
-            rope_fusion.install(cache_cos_sin=False)
-        models = build_model(bridge, wrap_with_ddp=True)
-    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=dtype is torch.bfloat16,
-                                fused_adam=True)  # torch's fused AdamW, as on CUDA (it has a CPU kernel)
-    use_foreach_param_copy(foreach_param_copy)
+    # torch's fused AdamW, as on CUDA (it has a CPU kernel)
+    _, models, _, optimizer = build_megatron(config, dtype, megatron, fused_adam=True,
+                                             rope_cos_sin_cache=rope_cos_sin_cache,
+                                             foreach_param_copy=foreach_param_copy)
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=1, fp32_logits=fp32_logits)
     tokens = torch.randint(0, config.vocab_size, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
     samples = [Sample(index=0, tokens=tokens, response_length=seq - 1)]
@@ -255,9 +246,8 @@ def hf_census(config: Any, seq: int, dtype: torch.dtype) -> Census:
     from torch_reference import build, train_step
 
     torch.manual_seed(0)
-    model, optimizer = build(config, torch.device("cpu"), grad_checkpointing=False, dtype=dtype)
-    for group in optimizer.param_groups:  # fused AdamW, as on CUDA (torch has a CPU kernel)
-        group["fused"], group["foreach"] = True, False
+    # fused AdamW, as on CUDA (torch has a CPU kernel)
+    model, optimizer = build(config, torch.device("cpu"), grad_checkpointing=False, dtype=dtype, fused=True)
     tokens = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     train_step(model, optimizer, tokens, 1)
     census = Census()

@@ -27,9 +27,10 @@ from mfu import add_step_arguments, mfu_fields
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
 
-def build(config: Any, device: torch.device, grad_checkpointing: bool,
-          dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The random-weight HF model on `device` (created there, in `dtype`) and its AdamW (fused on CUDA)."""
+def build(config: Any, device: torch.device, grad_checkpointing: bool, dtype: torch.dtype = torch.bfloat16,
+          fused: bool | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The random-weight HF model on `device` (created there, in `dtype`) and its AdamW, fused unless `fused` is
+    False (default: on CUDA; torch's fused AdamW has a CPU kernel too, which the CPU benches ask for)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
@@ -38,7 +39,7 @@ def build(config: Any, device: torch.device, grad_checkpointing: bool,
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" if fused is None else fused)
     return model, optimizer
 
 

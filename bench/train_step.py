@@ -119,28 +119,18 @@ def main() -> None:
         raise SystemExit("--loss grpo with --lora-rank is not measured here: the LoRA reference is the frozen "
                          "base with its starting adapters, not a second model")
 
-    from slime.backends.megatron import cuda_graphs, host_trims, rope_fusion, score_kernels
-    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
-    from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
-    from slime.backends.megatron.optimizer import build_optimizer, torch_optimizers, use_foreach_param_copy
+    from slime.backends.megatron import cuda_graphs, score_kernels
+    from slime.backends.megatron.lora import count_parameters
+    from slime.backends.megatron.optimizer import torch_optimizers
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
     shape = QWEN2_SHAPES[args.model]
     config = qwen2_config(args.model, max_position_embeddings=32768)
-    init_megatron(seed=0, megatron=megatron)
-    with tempfile.TemporaryDirectory() as hf_dir:
-        config.save_pretrained(hf_dir)  # mbridge needs only the config for a randomly initialised model
-        bridge = make_bridge(hf_dir, torch.bfloat16, megatron=megatron)
-        if not args.rope_cos_sin_cache:
-            rope_fusion.install(cache_cos_sin=False)
-        host_trims.install(args.host_trims)
-        spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, dropout=0.0,
-                        targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if args.lora_rank else None
-        models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
-        ref_models = reference_model(bridge, models) if args.loss == "grpo" else None
-    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=True, fused_adam=args.fused_adam)
-    use_foreach_param_copy(args.foreach_param_copy)
+    bridge, models, ref_models, optimizer = build_megatron(
+        config, torch.bfloat16, megatron, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        fused_adam=args.fused_adam, rope_cos_sin_cache=args.rope_cos_sin_cache, trims=args.host_trims,
+        foreach_param_copy=args.foreach_param_copy, reference=args.loss == "grpo")
     kernels = {"fused_adam": any(g.get("fused") for o in torch_optimizers(optimizer) for g in o.param_groups),
                "grad_accum_fusion": bridge.config.gradient_accumulation_fusion,
                "rope_fusion": bridge.config.apply_rope_fusion, "cuda_graphs": cuda_graphs.enabled(models),
@@ -206,6 +196,35 @@ def main() -> None:
                                      args.log_probs_max_tokens) if grpo else None
                 train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             print_profile(step, args.profile)
+
+
+def build_megatron(config: Any, dtype: torch.dtype, megatron: dict[str, Any], *, lora_rank: int = 0,
+                   lora_alpha: float | None = None, fused_adam: bool | None = None, rope_cos_sin_cache: bool = True,
+                   trims: bool = True, foreach_param_copy: bool = True,
+                   reference: bool = False) -> tuple[Any, list[torch.nn.Module], list[torch.nn.Module] | None, Any]:
+    """(bridge, models, reference models or None, optimizer): the random-weight Megatron model of an HF `config`
+    (mbridge needs only the config), wrapped for training, with the kernel switches the benchmarks A/B
+    (`rope_cos_sin_cache`, host `trims`, `foreach_param_copy`, `fused_adam`); `reference`: a KL reference model.
+    bench/host_cost.py and bench/op_census.py build theirs here too."""
+    from slime.backends.megatron import host_trims, rope_fusion
+    from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
+    from slime.backends.megatron.lora import LoraSpec, lora_callback
+    from slime.backends.megatron.optimizer import build_optimizer, use_foreach_param_copy
+
+    init_megatron(seed=0, megatron=megatron)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        config.save_pretrained(hf_dir)
+        bridge = make_bridge(hf_dir, dtype, megatron=megatron)
+        if not rope_cos_sin_cache:
+            rope_fusion.install(cache_cos_sin=False)
+        host_trims.install(trims)
+        spec = LoraSpec(rank=lora_rank, alpha=lora_alpha or 2.0 * lora_rank, dropout=0.0,
+                        targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) if lora_rank else None
+        models = build_model(bridge, wrap_with_ddp=True, post_create=lora_callback(spec))
+        ref_models = reference_model(bridge, models) if reference else None
+    optimizer = build_optimizer(models, lr=1e-5, clip_grad=1.0, bf16=dtype is torch.bfloat16, fused_adam=fused_adam)
+    use_foreach_param_copy(foreach_param_copy)
+    return bridge, models, ref_models, optimizer
 
 
 def megatron_options(pairs: list[str]) -> dict[str, Any]:
