@@ -59,6 +59,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
 from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.sampling import sample
+from slime.engines.builtin.scheduler import left_padded, transformers_forward
 from slime.engines.builtin.slots import SlotDecoder
 
 
@@ -103,22 +104,13 @@ def compare_sampler(logits: torch.Tensor, steps: int, rounds: int) -> str:
 
 
 def hf_prefill(model, decoder: SlotDecoder, prompts: list[list[int]]) -> torch.Tensor:
-    """The `transformers` prefill as the scheduler runs it with --disable-slot-prefill: left-padded ids and
-    mask built on the host, one forward over a DynamicCache, then `write_prefill` into slots 0 .. B-1; the last
-    position's logits."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    ids, mask = ids.to(decoder.device), mask.to(decoder.device)
+    """The `transformers` prefill as the scheduler runs it with --disable-slot-prefill (its `left_padded` and
+    `transformers_forward`), then `write_prefill` into slots 0 .. B-1; the last position's logits."""
+    ids, mask, positions = left_padded(prompts, decoder.device)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
-                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    logits = transformers_forward(model, ids, mask, positions, cache)
     decoder.write_prefill(cache, list(range(len(prompts))), [len(p) for p in prompts], first_slot=0)
-    return out.logits[:, -1]
+    return logits
 
 
 def compare_prefill(model, fusion: ProjectionFusion, args: argparse.Namespace, device: torch.device) -> None:

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.scheduler import left_padded, transformers_forward
 from slime.engines.builtin.slots import SlotDecoder, add_rms_norm, silu_mul
 
 CPU = torch.device("cpu")
@@ -21,19 +22,13 @@ EQUAL = [[5, 6, 7, 8, 9], [40, 3, 4, 5, 6], [9, 8, 7, 6, 5]]
 
 
 def hf_prefill(model, prompts, decoder, first_slot):
-    """What the scheduler does with --disable-slot-prefill: the left-padded `transformers` forward into a
-    DynamicCache, then `write_prefill`; the last position's logits."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+    """What the scheduler does with --disable-slot-prefill (its `left_padded` and `transformers_forward` into a
+    DynamicCache), then `write_prefill`; the last position's logits."""
+    ids, mask, positions = left_padded(prompts, CPU)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
-                position_ids=(mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = transformers_forward(model, ids, mask, positions, cache)
     decoder.write_prefill(cache, list(range(len(prompts))), [len(p) for p in prompts], first_slot)
-    return out.logits[:, -1]
+    return logits
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])

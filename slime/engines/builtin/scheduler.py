@@ -105,6 +105,30 @@ def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and position ids [B, width] of `prompts` left-padded (with 0) to the longest,
+    built on the host and copied to `device`: the `transformers` prefill's inputs."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def transformers_forward(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                         cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
+    """The `transformers` model's fp32 logits [B, V] of the last position, or [B, T, V] of every position when
+    asked, its keys/values appended to `cache`."""
+    # without padding the mask says nothing: leaving it out lets attention skip building one
+    mask = None if bool(mask.all()) else mask
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
+    return out.logits.float() if all_positions else out.logits[:, -1, :].float()
+
+
 class Scheduler:
     """Owns the model; `submit` from any thread or event loop, results arrive on the caller's loop."""
 
@@ -429,12 +453,7 @@ class Scheduler:
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
-        """Logits [B, V] of the last position, or [B, T, V] of every position when asked."""
-        # without padding the mask says nothing: leaving it out lets attention skip building one
-        mask = None if bool(mask.all()) else mask
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
-        return out.logits.float() if all_positions else out.logits[:, -1, :].float()
+        return transformers_forward(self.model, input_ids, mask, positions, cache, all_positions)
 
     def _score_prompts(self, requests: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
         """SGLang's input_token_logprobs: log p(token_i | tokens_<i) for i >= logprob_start_len,
@@ -458,15 +477,7 @@ class Scheduler:
         if generate and self.slot_prefill and all(r.logprob_start_len < 0 for r in requests):
             self._prefill_slots(requests)
             return
-        width = max(len(r.input_ids) for r in requests)
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        mask = torch.zeros(len(requests), width, dtype=torch.long)
-        for row, request in enumerate(requests):
-            n = len(request.input_ids)
-            ids[row, width - n :] = torch.tensor(request.input_ids)
-            mask[row, width - n :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        ids, mask, positions = left_padded([r.input_ids for r in requests], self.device)
         cache = DynamicCache(config=self.model.config)
         scoring = any(r.logprob_start_len >= 0 for r in requests)
         logits = self._forward(ids, mask, positions, cache, all_positions=scoring)
