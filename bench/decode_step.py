@@ -130,7 +130,12 @@ def compare_prefill(model, fusion: ProjectionFusion, args: argparse.Namespace, d
         pairs = list(zip(decoders["hf"].keys + decoders["hf"].values,
                          decoders["slot"].keys + decoders["slot"].values, strict=True))
         cache_gap = max((new.float() - ref.float()).abs().max().item() for ref, new in pairs)
-        match = all(torch.allclose(new, ref, rtol=tolerance, atol=tolerance) for ref, new in pairs)
+        # per layer's keys (values), |slot - hf| / |hf| over the whole tensor: in bf16 the two prefills round
+        # differently from the first layer on, and a deep layer's elements then differ by a few ulps of the
+        # hidden state's scale, not their own, so an element-wise bound says nothing; a misplaced or stale
+        # row moves the norm by ~1
+        relative = max(((new.float() - ref.float()).norm() / ref.float().norm()).item() for ref, new in pairs)
+        match = relative <= tolerance
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
@@ -138,7 +143,7 @@ def compare_prefill(model, fusion: ProjectionFusion, args: argparse.Namespace, d
         hf, slot = (statistics.median(times[n]) for n in calls)
         print(f"prefill {batch:4d} x {args.prompt_len} tokens: transformers + write_prefill {hf:.2f} ms, slot prefill "
               f"{slot:.2f} ms ({(hf - slot) / hf:+.1%}); max |logit gap| {gap:.3g}, max |key/value gap| "
-              f"{cache_gap:.3g}, caches match (tolerance {tolerance:g}): {match}", flush=True)
+              f"{cache_gap:.3g} (relative {relative:.2g}), caches match (tolerance {tolerance:g}): {match}", flush=True)
         if args.profile:
             print_profile(calls["slot"], args.profile, title=f"slot prefill, {batch} x {args.prompt_len} tokens")
 

@@ -18,6 +18,12 @@ FP8. What it does need, and what this module provides or refuses:
   (log-probs, the KL reference with LoRA adapters switched off by a Python flag) therefore run eagerly
   (`eager`, megatron's `toggle_cuda_graphs`), and the colocated offload, which moves the weights and
   gradient buffers to new addresses, is refused (`option_problems`);
+* the first layer's input buffer kept for its backward graph (`keep_saved_inputs`): megatron-core 0.16
+  returns a training graph's copied-into input buffers to its reuse pool right after capturing the forward,
+  and the next capture of that shape (the last layer's output-gradient buffer) takes it, so the backward
+  replay overwrites the first layer's saved input with a gradient before that layer's backward reads it:
+  layer 0's input RMSNorm weight gradient came out wrong (its gradient ~1 off, normalised, the embedding's
+  0.1 off, on an H100; tests/backends/megatron/test_cuda_graphs_gpu.py);
 * `cuda_graph_scope` "full_iteration" needs Megatron-LM's training loop (it captures the whole
   iteration outside megatron-core's schedules), `cuda_graph_impl=transformer_engine` TE's
   `make_graphed_callables` driven by that loop: both are refused.
@@ -26,6 +32,7 @@ FP8. What it does need, and what this module provides or refuses:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -131,12 +138,39 @@ def _input_requires_grad(module: Any, args: Any, output: Any) -> None:
         output.requires_grad_()
 
 
+def keep_saved_inputs() -> bool:
+    """Keep the input buffers of graphs captured for training out of megatron's tensor reuse pool (see the
+    module docstring); True when this call installed it (once per process). Forward-only captures keep
+    megatron's reuse. Each kept buffer is one micro-batch's first-layer input, [tokens, rows, hidden]."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, _CudaGraphRunner
+
+    original = _CudaGraphRunner.create_fwd_graph
+    if getattr(original, "_slime_keeps_saved_inputs", False):
+        return False
+
+    @functools.wraps(original)
+    def create_fwd_graph(runner: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(runner, *args, **kwargs)
+        if runner.grad_enabled:  # its backward graph reads what the forward saved, inputs included
+            # (an input buffer is never in the pool before: capture took it from there or from another graph)
+            inputs = {id(t) for t in runner.fwd_graph_input_surface}
+            pool = _CudagraphGlobalRecord.tensor_reuse_pool.pool
+            pool[:] = [t for t in pool if id(t) not in inputs]
+        return out
+
+    create_fwd_graph._slime_keeps_saved_inputs = True  # type: ignore[attr-defined]
+    _CudaGraphRunner.create_fwd_graph = create_fwd_graph
+    return True
+
+
 def prepare(models: Iterable[Any]) -> int:
-    """Make the first layer's input require grad where the embedding is frozen (LoRA, freeze lists), returning
-    how many embeddings got the hook. megatron's graph capture warms each layer up with a backward towards
+    """Keep graphed layers' saved inputs (`keep_saved_inputs`) and make the first layer's input require grad
+    where the embedding is frozen (LoRA, freeze lists), returning how many embeddings got the hook. megatron's graph capture warms each layer up with a backward towards
     its inputs (`torch.autograd.grad(inputs=...)`), which fails on a layer with no input that requires grad;
     the cost is the first layer's input gradient, computed and dropped."""
     hooked = 0
+    if any(_graphed(c) for c in _chunks(models)):
+        keep_saved_inputs()
     for chunk in _chunks(models):
         embedding = getattr(chunk, "embedding", None)
         if not _graphed(chunk) or embedding is None:

@@ -161,6 +161,42 @@ def test_a_frozen_embedding_makes_the_first_layer_input_require_grad():
         assert not frozen.embedding(tokens).requires_grad
 
 
+def test_a_training_graphs_input_buffers_stay_out_of_the_reuse_pool(monkeypatch):
+    """megatron returns a graph's copied-into input buffers to its reuse pool after capturing the forward
+    (stood in for here: the GPU capture is in test_cuda_graphs_gpu.py); a training graph's backward still reads
+    them, so keep_saved_inputs takes them back out, and leaves forward-only captures' reuse alone."""
+    from megatron.core.transformer import cuda_graphs as mcore_graphs
+
+    pool = mcore_graphs._CudagraphGlobalRecord.tensor_reuse_pool.pool
+    spare = torch.zeros(2)
+
+    def megatron_capture(runner, *args, **kwargs):  # what create_fwd_graph does with its buffers at the end
+        pool.extend(runner.fwd_graph_input_surface)
+        return "captured"
+
+    monkeypatch.setattr(mcore_graphs._CudaGraphRunner, "create_fwd_graph", megatron_capture)
+    monkeypatch.setattr(mcore_graphs._CudagraphGlobalRecord.tensor_reuse_pool, "pool", [spare])
+    pool = mcore_graphs._CudagraphGlobalRecord.tensor_reuse_pool.pool
+    assert cuda_graphs.keep_saved_inputs() is True
+    assert cuda_graphs.keep_saved_inputs() is False  # once per process
+    training = SimpleNamespace(grad_enabled=True, fwd_graph_input_surface=(torch.zeros(3), torch.zeros(4)))
+    forward_only = SimpleNamespace(grad_enabled=False, fwd_graph_input_surface=(torch.zeros(5),))
+    assert mcore_graphs._CudaGraphRunner.create_fwd_graph(training, [], {}) == "captured"
+    assert [t.numel() for t in pool] == [2]  # the training graph's inputs stay its own; the spare stays pooled
+    mcore_graphs._CudaGraphRunner.create_fwd_graph(forward_only, [], {})
+    assert [t.numel() for t in pool] == [2, 5]
+
+
+def test_the_patched_megatron_graph_runner_still_has_what_keep_saved_inputs_wraps():
+    import inspect
+
+    from megatron.core.transformer import cuda_graphs as mcore_graphs
+
+    source = inspect.getsource(inspect.unwrap(mcore_graphs._CudaGraphRunner.create_fwd_graph))
+    assert "tensor_reuse_pool.insert(buf)" in source and "fwd_graph_input_surface" in source
+    assert "self.grad_enabled" in inspect.getsource(mcore_graphs._CudaGraphRunner.__init__)
+
+
 def test_the_graph_safe_tracker_state_is_saved_as_bytes_and_restored_in_place(monkeypatch):
     from megatron.core.tensor_parallel import random as mcore_random
 
