@@ -97,7 +97,9 @@ def test_cuda_memory_budget_caps_the_engine_and_sizes_its_slots(tiny_kit):
         decided = engine.memory_budget
         per_slot = slot_bytes(engine.model, engine.scheduler.context_length)
         assert decided["slots"] == engine.scheduler.max_running_requests < 256
-        assert decided["slots"] == fitting_slots(decided["budget_bytes"], decided["weights_bytes"], per_slot)
+        assert decided["reserved_bytes"] == torch.cuda.get_device_properties(0).L2_cache_size > 0
+        assert decided["slots"] == fitting_slots(decided["budget_bytes"], decided["weights_bytes"], per_slot,
+                                                 decided["reserved_bytes"])
 
         async def go():
             return await asyncio.gather(*[engine.generate({

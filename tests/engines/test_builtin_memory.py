@@ -27,6 +27,10 @@ def test_fitting_slots_leaves_the_rest_of_the_budget_for_activations():
     # 40 GiB budget, 1 GiB of weights: KV_SHARE of the other 39 GiB in slots of 48 MiB
     assert fitting_slots(40 * gib, gib, 48 * 2**20) == int(39 * gib * KV_SHARE // (48 * 2**20))
     assert fitting_slots(gib, gib, 1) == 0 and fitting_slots(gib, 2 * gib, 1) == 0  # nothing left, or over
+    # the compile reserve (inductor's L2-sized autotuning buffer) comes off before the KV share
+    assert fitting_slots(40 * gib, gib, 48 * 2**20, 50 * 2**20) == int((39 * gib - 50 * 2**20) * KV_SHARE
+                                                                       // (48 * 2**20))
+    assert fitting_slots(gib, gib // 2, 1, gib // 2) == 0
 
 
 def test_budget_changes_nothing_on_the_cpu(model, tiny_kit):

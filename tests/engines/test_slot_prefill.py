@@ -170,6 +170,38 @@ def test_engine_generates_the_same_with_and_without_the_slot_prefill(engines, mo
         assert max(gaps) < 1e-5
 
 
+@pytest.mark.parametrize("slot_prefill", [True, False], ids=["slot", "transformers"])
+def test_a_failed_prefill_fails_its_admitted_requests_and_the_engine_serves_on(engines, monkeypatch, slot_prefill):
+    """An admitted group is neither waiting nor running while it prefills (an H100 run lost one that way to an
+    out-of-memory error: its clients waited forever): the failure reaches each of its requests, and the
+    next request is served."""
+    engine = engines[not slot_prefill]
+    scheduler = engine.scheduler
+    where = "_prefill_slots" if slot_prefill else "_merge"
+    real = getattr(scheduler, where)
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, where, fail_once)
+
+    async def go():
+        group = {"input_ids": [[5, 6, 7], [8, 9, 10, 11]], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        failed = await asyncio.wait_for(asyncio.gather(engine.generate(group), return_exceptions=True), timeout=30)
+        after = await asyncio.wait_for(engine.generate({"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 4, "ignore_eos": True}}), timeout=30)
+        return failed[0], after
+
+    failed, after = asyncio.run(go())
+    assert isinstance(failed, RuntimeError) and "out of memory" in str(failed)
+    assert len(after["output_ids"]) == 4 and len(calls) == 2
+    assert scheduler._admitting == []
+
+
 def test_prompt_scoring_keeps_the_transformers_prefill(engines):
     """logprob_start_len >= 0 needs every position's logits: that group runs the transformers forward."""
     engine = engines[False]

@@ -7,8 +7,14 @@ its part: `fraction` of the GPU's memory. Two things hold it there:
   (`torch.cuda.set_per_process_memory_fraction`): an allocation past it fails in this process instead of
   taking the train rank's memory (the CUDA context, ~0.5 GB, is outside the allocator and not counted);
 * the slot KV cache (`kv_cache="slots"`, allocated at the first request) is sized to fit: at most
-  `KV_SHARE` of what the budget leaves after the weights, the rest kept for prefill activations, logits
-  and the CUDA graphs' pools; the scheduler then runs at most that many requests at once.
+  `KV_SHARE` of what the budget leaves after the weights and the compile reserve, the rest kept for prefill
+  activations, logits and the CUDA graphs' pools; the scheduler then runs at most that many requests at once.
+
+The compile reserve is the GPU's L2 cache size (50 MiB on an H100). The engine's torch.compile'd kernels
+(sampler, fused norms, rotary and K/V write) are autotuned at their first call with each new shape, and
+inductor's benchmarker allocates an L2-sized buffer to flush the cache between timings. Under a tight
+budget that one allocation failed a prefill on an H100 (`Tried to allocate 50.00 MiB`, 160 MiB budget)
+once the slot cache and the prefill's activations held the rest.
 
 Where SGLang measures the GPU's free memory at start-up (and so depends on what the trainer holds then),
 this counts only the engine's own allocations: a restarted engine gets the same budget.
@@ -34,9 +40,15 @@ def slot_bytes(model: Any, max_len: int) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * max_len * element
 
 
-def fitting_slots(budget: int, used: int, per_slot: int) -> int:
-    """How many KV slots of `per_slot` bytes fit in `KV_SHARE` of what `budget` leaves after `used` bytes."""
-    return max(0, int((budget - used) * KV_SHARE // per_slot))
+def compile_reserve(device: torch.device) -> int:
+    """Bytes kept out of the slot cache for inductor's autotuning buffer: the GPU's L2 size (see above)."""
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def fitting_slots(budget: int, used: int, per_slot: int, reserved: int = 0) -> int:
+    """How many KV slots of `per_slot` bytes fit in `KV_SHARE` of what `budget` leaves after `used` bytes
+    and `reserved` more."""
+    return max(0, int((budget - used - reserved) * KV_SHARE // per_slot))
 
 
 def apply_memory_budget(scheduler: Any, model: Any, device: torch.device, fraction: float) -> dict[str, Any]:
@@ -50,15 +62,16 @@ def apply_memory_budget(scheduler: Any, model: Any, device: torch.device, fracti
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     total = torch.cuda.get_device_properties(device).total_memory
     budget, weights = int(fraction * total), torch.cuda.memory_allocated(device)
-    decided: dict[str, Any] = {"budget_bytes": budget, "weights_bytes": weights}
+    reserved = compile_reserve(device)
+    decided: dict[str, Any] = {"budget_bytes": budget, "weights_bytes": weights, "reserved_bytes": reserved}
     if scheduler.kv_cache == "slots":
         per_slot = slot_bytes(model, scheduler.context_length)
-        fit = fitting_slots(budget, weights, per_slot)
+        fit = fitting_slots(budget, weights, per_slot, reserved)
         if fit < 1:
             raise ValueError(
                 f"--mem-fraction-static {fraction}: {budget / 2**30:.2f} GiB of the GPU's {total / 2**30:.2f} GiB, "
                 f"the weights take {weights / 2**30:.2f} GiB and one request's KV slot ({scheduler.context_length} "
-                f"tokens) {per_slot / 2**30:.3f} GiB: no slot fits; raise cluster.rollout_gpu_fraction or lower "
+                f"tokens) {per_slot / 2**30:.3f} GiB, with {reserved / 2**20:.0f} MiB kept for compiling: no slot fits; raise cluster.rollout_gpu_fraction or lower "
                 "--max-slot-tokens")
         scheduler.max_running_requests = min(scheduler.max_running_requests, fit)
         decided["slots"] = scheduler.max_running_requests

@@ -200,6 +200,7 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._waiting: list[Request] = []
+        self._admitting: list[Request] = []  # taken from _waiting by the prefill running now
         self._batch: _Batch | _SlotBatch | None = None
         self._wake = threading.Event()
         self._paused = False
@@ -375,9 +376,9 @@ class Scheduler:
                     self._step()
             except Exception as exc:  # a failed step fails its requests, the engine keeps serving
                 logger.exception("engine step failed")
-                failed = (self._batch.requests if self._batch else []) + self._waiting
-                self._batch, self._waiting = None, []
-                for request in failed:
+                failed = (self._batch.requests if self._batch else []) + self._admitting + self._waiting
+                self._batch, self._admitting, self._waiting = None, [], []
+                for request in {id(r): r for r in failed}.values():  # an admitted row may be merged already
                     self._fail(request, exc)
             self._publish()
 
@@ -437,6 +438,7 @@ class Scheduler:
             self.prefills += 1
             started = time.perf_counter()
             admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            self._admitting = admitted  # neither waiting nor running until merged: a failure must fail them too
             scoring = [r for r in admitted if r.params.max_new_tokens == 0]
             if scoring:  # prompt scoring only (e.g. teacher log-probs): no token is generated
                 self._prefill(scoring, generate=False)
@@ -444,6 +446,7 @@ class Scheduler:
             if admitted:
                 self._prefill(admitted)
                 self._drop_finished()  # rows that stopped at their first token
+            self._admitting = []
             self.stats.prefilled(len(admitted), time.perf_counter() - started,
                                  len(self._waiting) + self._inbox.qsize())
         if self._batch is not None:
