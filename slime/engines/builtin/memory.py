@@ -10,11 +10,12 @@ its part: `fraction` of the GPU's memory. Two things hold it there:
   `KV_SHARE` of what the budget leaves after the weights and the compile reserve, the rest kept for prefill
   activations, logits and the CUDA graphs' pools; the scheduler then runs at most that many requests at once.
 
-The compile reserve is the GPU's L2 cache size (50 MiB on an H100). The engine's torch.compile'd kernels
-(sampler, fused norms, rotary and K/V write) are autotuned at their first call with each new shape, and
-inductor's benchmarker allocates an L2-sized buffer to flush the cache between timings. Under a tight
-budget that one allocation failed a prefill on an H100 (`Tried to allocate 50.00 MiB`, 160 MiB budget)
-once the slot cache and the prefill's activations held the rest.
+The compile reserve is twice the GPU's L2 cache size (2 x 50 MiB on an H100). The engine's torch.compile'd
+kernels (sampler, fused norms, rotary and K/V write) are autotuned at their first call with each new shape,
+and inductor's benchmarker allocates an L2-sized buffer to flush the cache between timings. Under a tight
+budget (160 MiB on an H100) that one allocation failed the first decode's graph capture (`Tried to allocate
+50.00 MiB`) once the slot cache held its share; with one L2 size reserved it still failed, 58.7 MiB then
+being cached by the allocator in split blocks it cannot hand out whole, hence the second.
 
 Where SGLang measures the GPU's free memory at start-up (and so depends on what the trainer holds then),
 this counts only the engine's own allocations: a restarted engine gets the same budget.
@@ -29,7 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-KV_SHARE = 0.5  # of the budget left after the weights, for the slot KV cache
+KV_SHARE = 0.5  # of the budget left after the weights and the compile reserve, for the slot KV cache
+COMPILE_RESERVE_L2 = 2  # L2 cache sizes kept for inductor's autotuning buffer and the allocator's split blocks
 
 
 def slot_bytes(model: Any, max_len: int) -> int:
@@ -41,8 +43,8 @@ def slot_bytes(model: Any, max_len: int) -> int:
 
 
 def compile_reserve(device: torch.device) -> int:
-    """Bytes kept out of the slot cache for inductor's autotuning buffer: the GPU's L2 size (see above)."""
-    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    """Bytes kept out of the slot cache for inductor's autotuning buffer: twice the GPU's L2 size (see above)."""
+    return COMPILE_RESERVE_L2 * int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def fitting_slots(budget: int, used: int, per_slot: int, reserved: int = 0) -> int:
