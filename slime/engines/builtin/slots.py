@@ -149,9 +149,11 @@ class SlotDecoder:
         self.fused = fuse and self.cuda_graphs
         self._silu_mlp = getattr(config, "hidden_act", None) == "silu"
         if self.fused:  # compiled at the first decode, before any capture (see the module docstring)
-            self._add_norm_fn = torch.compile(add_rms_norm, dynamic=True)
-            self._rotate = torch.compile(self._rotate, dynamic=True)
-            self._silu_mul = torch.compile(silu_mul, dynamic=True)
+            off = ("start the engine with --disable-cuda-graph (the slot decoder compiles its elementwise kernels "
+                   "only with CUDA graphs)")
+            self._add_norm_fn = compiled(add_rms_norm, off, dynamic=True)
+            self._rotate = compiled(self._rotate, off, dynamic=True)
+            self._silu_mul = compiled(silu_mul, off, dynamic=True)
         # the decode step's rotary + key/value writes (`rotate_write_kv_fn`): one compiled function, or the
         # rotary above and two `index_put_`
         self.fuse_kv_write = fuse_kv_write and self.fused
