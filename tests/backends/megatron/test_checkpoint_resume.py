@@ -63,6 +63,7 @@ def test_two_ranks_distributed_optimizer_resume_is_bit_exact(tiny_kit, tmp_path,
     assert manifest["metadata"]["parallel"]["use_distributed_optimizer"] is True
 
 
+@pytest.mark.slow  # 35 s; its two halves run by default: fused Adam resume (one rank) and dp_reshardable (two ranks)
 def test_two_ranks_distributed_optimizer_resume_with_fused_adam_is_bit_exact(tiny_kit, tmp_path):
     run, resume = run_and_resume(tiny_kit.model_dir, tmp_path, 2, "--distributed", "dp_reshardable", "--fused-adam")
     assert_bit_exact(run, resume)
