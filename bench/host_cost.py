@@ -45,6 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from profiling import interleaved_ab  # noqa: E402
+
 
 def clock() -> float:
     """Seconds of this thread's CPU time (`--clock cpu`, the default: what the host spends, unaffected by other
@@ -174,20 +176,6 @@ def measure(run: dict[str, Any], kind: str, args: argparse.Namespace) -> dict[st
     return dict(zip(("step", "fwd", "bwd", "opt"), med, strict=True))
 
 
-def interleaved_ab(run: dict[str, Any], kind: str, toggle: Callable[[bool], None], steps: int) -> dict[str, float]:
-    """Median time (us, `clock`) of `run[kind]` with `toggle(True)` and with `toggle(False)`, alternating step by
-    step in one process (a shared machine's drift hits both alike); `toggle(True)` is left in place."""
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(2 * steps):
-        on = i % 2 == 0
-        toggle(on)
-        start = clock()
-        run[kind]()
-        times[on].append(clock() - start)
-    toggle(True)
-    return {"on": statistics.median(times[True]) * 1e6, "off": statistics.median(times[False]) * 1e6}
-
-
 def profile(run: dict[str, Any], kind: str, top: int) -> str:
     """One more `run[kind]` under cProfile: its `top` functions by cumulative time."""
     profiler = cProfile.Profile()
@@ -250,7 +238,8 @@ def main() -> None:
         for kind in ("step", "logprobs"):
             for _ in range(args.warmup):
                 run[kind]()
-            result = interleaved_ab(run, kind, host_trims.install, args.steps)
+            result = {arm: t * 1e6 for arm, t in interleaved_ab(run[kind], host_trims.install, args.steps,
+                                                                 clock=clock).items()}
             print(f"{args.ab} {kind} at {max(args.layers)} layers, us ({args.clock}, median of {args.steps} each): "
                   f"on {result['on']:.0f}, off {result['off']:.0f}, saved {result['off'] - result['on']:.0f} "
                   f"({(result['off'] - result['on']) / result['off']:.1%})")

@@ -1,11 +1,34 @@
-"""One step of a benchmark under torch.profiler, printed as torch's table: what bench/train_step.py and
-bench/decode_step.py share (`--profile ROWS`), so both read a step's GPU time the same way."""
+"""What the benchmarks share to read a step the same way: one step under torch.profiler, printed as torch's table
+(bench/train_step.py and bench/decode_step.py `--profile ROWS`), and an A/B of a switch interleaved step by step in
+one process (bench/train_step.py and bench/host_cost.py `--ab NAME`)."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
+
+
+def interleaved_ab(step: Callable[[], object], toggle: Callable[[bool], object], rounds: int, *,
+                   clock: Callable[[], float] = time.perf_counter,
+                   sync: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Median seconds (`clock`) of `step()` with `toggle(True)` and with `toggle(False)`, alternating step by step,
+    `rounds` steps each, in one process: a machine that drifts (clocks, a neighbour) moves both arms alike, where
+    runs one after the other can differ by more than the change (docs/benchmarks.md, 2026-11-26 call 7). `sync`
+    ends each timed step (a CUDA synchronize for GPU work); `toggle(True)` is left in place."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * rounds):
+        on = i % 2 == 0
+        toggle(on)
+        sync()
+        start = clock()
+        step()
+        sync()
+        times[on].append(clock() - start)
+    toggle(True)
+    return {"on": statistics.median(times[True]), "off": statistics.median(times[False])}
 
 
 def print_profile(step: Callable[[], object], rows: int, title: str = "profiled step") -> None:

@@ -11,6 +11,7 @@
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --megatron apply_rope_fusion=false
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 2 --megatron recompute_granularity=selective
     python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --lora-rank 64 --megatron cuda_graph_impl=local
+    python bench/train_step.py --model 1.5b --seq 4096 --global-batch 8 --micro-batch 1 --ab rope-cos-sin-cache --steps 7
 
 Builds a random-weight Qwen2 of the named size through mbridge (bf16 params, fp32 master weights and
 gradients, Adam), then times train steps after warm-up steps. `--loss sft` (the default): full SFT
@@ -44,7 +45,10 @@ so do `--fp32-logits` (megatron's fp32 upcast of the logits before scoring), `--
 linear layers, slime/backends/megatron/host_trims.py; bench/host_cost.py) and `--log-probs-chunk-size 441` (the compiled scoring's backward in chunks written and
 copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
 micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
-the JSON line says which ran. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
+the JSON line says which ran. `--ab NAME` (fp32-logits, compile-scores, log-probs-chunk-size, rope-cos-sin-cache,
+foreach-param-copy, host-trims) times one of those changes on and off in one process instead, alternating step
+by step after the warm-up of both arms, and prints both medians and `off_over_on`: runs one after another drifted
+by more than the changes on a shared H100 (docs/benchmarks.md). `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
 graphs (slime/backends/megatron/cuda_graphs.py): the first step records and captures them, so keep
 `--warmup` >= 2; each further `--seq` captures anew. `--profile 30` then profiles one more step
 (torch.profiler) and prints its 30 costliest GPU operations. Needs CUDA (no Ray, no Prefect).
@@ -53,15 +57,17 @@ graphs (slime/backends/megatron/cuda_graphs.py): the first step records and capt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from mfu import add_step_arguments, mfu_fields
-from profiling import print_profile
+from profiling import interleaved_ab, print_profile
 
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
@@ -104,6 +110,9 @@ def main() -> None:
                         help="a model option of the config's megatron section (a TransformerConfig field, the value "
                              "read as YAML), as a run would set it, e.g. gradient_accumulation_fusion=false, "
                              "apply_rope_fusion=false, recompute_granularity=selective; repeatable")
+    parser.add_argument("--ab", choices=sorted(AB_SWITCHES), default=None,
+                        help="time the step with this change on (the default) and off, alternating step by step in one "
+                             "process, --steps each after --warmup of each; one JSON line with both medians")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timed steps, one more under torch.profiler: print its ROWS costliest "
                              "GPU operations (self time, the whole step's GPU time first)")
@@ -124,6 +133,10 @@ def main() -> None:
     from slime.backends.megatron.optimizer import torch_optimizers
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
+
+    if args.ab and (cuda_graphs.requested(megatron) or len(args.seq) > 1):
+        raise SystemExit("--ab needs one --seq and no CUDA graphs (a graph replays what it captured: a switch "
+                         "changed between steps would not reach it)")
 
     shape = QWEN2_SHAPES[args.model]
     config = qwen2_config(args.model, max_position_embeddings=32768)
@@ -151,6 +164,24 @@ def main() -> None:
         samples = [Sample(index=i, tokens=torch.randint(0, config.vocab_size, (seq,), generator=generator).tolist(),
                           response_length=response) for i in range(args.global_batch)]
         advantages = torch.randn(args.global_batch, generator=generator).tolist()  # GRPO: one per sample
+        if args.ab:
+            state = {"settings": settings}
+
+            def one_step(samples: list[Sample] = samples, advantages: list[float] = advantages,
+                         state: dict[str, Any] = state) -> None:
+                arrays = grpo_arrays(models, ref_models, samples, advantages, state["settings"], config.vocab_size,
+                                     args.log_probs_max_tokens) if grpo else None
+                train_step(models, optimizer, samples, state["settings"], vocab_size=config.vocab_size, arrays=arrays)
+
+            toggle = AB_SWITCHES[args.ab](state)
+            warm = interleaved_ab(one_step, toggle, args.warmup, sync=torch.cuda.synchronize)  # compiles both arms
+            result = interleaved_ab(one_step, toggle, args.steps, sync=torch.cuda.synchronize)
+            print(json.dumps({"model": args.model, "loss_kind": args.loss, "seq": seq, "global_batch": args.global_batch,
+                              "micro_batch": args.micro_batch, "lora_rank": args.lora_rank, "ab": args.ab,
+                              "on_step_s": round(result["on"], 4), "off_step_s": round(result["off"], 4),
+                              "off_over_on": round(result["off"] / result["on"], 4), "steps_each": args.steps,
+                              "warmup_on_s": round(warm["on"], 4), "device": torch.cuda.get_device_name()}), flush=True)
+            continue
         times, logprob_times = [], []
         torch.cuda.reset_peak_memory_stats()
         for step in range(args.warmup + args.steps):
@@ -196,6 +227,52 @@ def main() -> None:
                                      args.log_probs_max_tokens) if grpo else None
                 train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             print_profile(step, args.profile)
+
+
+def _settings_switch(**off: Any) -> Callable[[dict[str, Any]], Callable[[bool], None]]:
+    """A switch of `StepSettings` fields: on = the settings the run was started with, off = with `off` replaced."""
+    def make(state: dict[str, Any]) -> Callable[[bool], None]:
+        on_settings = state["settings"]
+        off_settings = dataclasses.replace(on_settings, **off)
+
+        def toggle(on: bool) -> None:
+            state["settings"] = on_settings if on else off_settings
+        return toggle
+    return make
+
+
+def _process_switch(apply: Callable[[bool], object]) -> Callable[[dict[str, Any]], Callable[[bool], None]]:
+    """A switch that is process-wide state (installed functions): on = the change in place."""
+    return lambda state: lambda on: apply(on)
+
+
+def _rope_cache(on: bool) -> None:
+    from slime.backends.megatron import rope_fusion
+
+    rope_fusion.install(cache_cos_sin=on)
+
+
+def _host_trims(on: bool) -> None:
+    from slime.backends.megatron import host_trims
+
+    host_trims.install(on)
+
+
+def _foreach_copy(on: bool) -> None:
+    from slime.backends.megatron.optimizer import use_foreach_param_copy
+
+    use_foreach_param_copy(on)
+
+
+# --ab NAME: each change of the op census and the host trims, on (the default) against off, in one process
+AB_SWITCHES: dict[str, Callable[[dict[str, Any]], Callable[[bool], None]]] = {
+    "fp32-logits": _settings_switch(fp32_logits=True),  # off: megatron's fp32 upcast of the logits
+    "compile-scores": _settings_switch(compile_scores=False),
+    "log-probs-chunk-size": _settings_switch(log_probs_chunk_size=441),  # off: the chunked scoring backward
+    "rope-cos-sin-cache": _process_switch(_rope_cache),
+    "foreach-param-copy": _process_switch(_foreach_copy),
+    "host-trims": _process_switch(_host_trims),
+}
 
 
 def build_megatron(config: Any, dtype: torch.dtype, megatron: dict[str, Any], *, lora_rank: int = 0,

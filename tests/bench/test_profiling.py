@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the scripts import each other so
@@ -28,3 +29,19 @@ def test_the_table_names_the_step_s_costliest_operation(capsys) -> None:
     rows = [line.strip() for line in table.splitlines() if line.strip().startswith("aten::")]
     assert rows and rows[0].startswith(("aten::matmul", "aten::mm"))  # sorted by self time: the matmuls lead
     assert len(rows) <= 3
+
+
+def test_interleaved_ab_alternates_the_arms_and_leaves_the_change_on() -> None:
+    now, state, toggled, synced = [0.0], {"on": None}, [], []
+
+    def toggle(on: bool) -> None:
+        state["on"] = on
+        toggled.append(on)
+
+    def step() -> None:  # the change saves 2 of 5 seconds; the machine slows down by 0.1 s a step
+        now[0] += (3.0 if state["on"] else 5.0) + 0.1 * len(toggled)
+
+    result = profiling.interleaved_ab(step, toggle, 3, clock=lambda: now[0], sync=lambda: synced.append(1))
+    assert toggled == [True, False] * 3 + [True] and state["on"] is True
+    assert result == pytest.approx({"on": 3.3, "off": 5.4})  # medians of 3.1/3.3/3.5 and 5.2/5.4/5.6
+    assert len(synced) == 12  # before and after each timed step

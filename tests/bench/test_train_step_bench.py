@@ -42,3 +42,38 @@ def test_megatron_options_are_read_as_the_config_reads_them():
         megatron_options(["recompute_granularity"])
     with pytest.raises(SystemExit, match="cuda_graph_imp: not a model option"):
         megatron_options(["cuda_graph_imp=local"])  # a typo must not time the default
+
+
+def test_each_ab_switch_flips_its_change_and_restores_it():
+    sys.path.insert(0, str(HERE.parents[1] / "bench"))
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import layers as mcore_layers
+    from train_step import AB_SWITCHES
+
+    from slime.backends.megatron import host_trims, optimizer, rope_fusion
+    from slime.backends.megatron.train import StepSettings
+
+    base = StepSettings(loss_type="sft_loss")
+    fields = {"fp32-logits": ("fp32_logits", True), "compile-scores": ("compile_scores", False),
+              "log-probs-chunk-size": ("log_probs_chunk_size", 441)}
+    for name, (field, off_value) in fields.items():
+        state = {"settings": base}
+        toggle = AB_SWITCHES[name](state)
+        toggle(False)
+        assert getattr(state["settings"], field) == off_value != getattr(base, field), name
+        toggle(True)
+        assert state["settings"] is base
+    process = {"rope-cos-sin-cache": lambda: rope_utils.fused_apply_rotary_pos_emb,
+               "foreach-param-copy": lambda: mcore_optimizer._multi_tensor_copy_this_to_that,
+               "host-trims": lambda: mcore_layers.LinearWithGradAccumulationAndAsyncCommunication.backward}
+    rope_fusion.install()
+    optimizer.use_foreach_param_copy(True)
+    host_trims.install(True)
+    for name, current in process.items():
+        toggle = AB_SWITCHES[name]({})
+        on = current()
+        toggle(False)
+        assert current() is not on, name
+        toggle(True)
+        assert current() is on, name
