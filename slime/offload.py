@@ -81,27 +81,28 @@ def _synchronize(devices: Iterable[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def module_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
-    """Every parameter and buffer of `module` (a tied weight once), moved by `.data` so that holders of
-    the parameter or buffer object keep seeing it."""
+def _tensor_slots(named: Iterable[tuple[str, torch.Tensor]], prefix: str,
+                  keep: Callable[[torch.Tensor], bool] = lambda tensor: True) -> Iterator[Slot]:
+    """A slot for each named tensor that `keep` accepts, a tied one (the same object twice) once."""
     seen: set[int] = set()
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if id(tensor) in seen:
+    for name, tensor in named:
+        if id(tensor) in seen or not keep(tensor):
             continue
         seen.add(id(tensor))
         yield prefix + name, _data_getter(tensor), _data_setter(tensor)
+
+
+def module_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
+    """Every parameter and buffer of `module` (a tied weight once), moved by `.data` so that holders of
+    the parameter or buffer object keep seeing it."""
+    return _tensor_slots([*module.named_parameters(), *module.named_buffers()], prefix)
 
 
 def frozen_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
     """The parameters of `module` that do not train (`requires_grad` False: a LoRA base, a freeze list's
     layers), a tied one once. Megatron's DDP buffers never hold these; they would otherwise stay on the GPU
     while the engines generate."""
-    seen: set[int] = set()
-    for name, param in module.named_parameters():
-        if param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        yield prefix + name, _data_getter(param), _data_setter(param)
+    return _tensor_slots(module.named_parameters(), prefix, lambda param: not param.requires_grad)
 
 
 def unbuffered_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Iterator[Slot]:
@@ -114,12 +115,8 @@ def unbuffered_parameter_slots(module: torch.nn.Module, prefix: str = "") -> Ite
     for buffer in [*getattr(module, "buffers", []), *getattr(module, "expert_parallel_buffers", [])]:
         if getattr(buffer, "param_data", None) is not None:
             held.update(id(param) for param in buffer.params)
-    seen: set[int] = set()
-    for name, param in module.named_parameters():
-        if not param.requires_grad or id(param) in held or id(param) in seen:
-            continue
-        seen.add(id(param))
-        yield prefix + name, _data_getter(param), _data_setter(param)
+    return _tensor_slots(module.named_parameters(), prefix,
+                         lambda param: param.requires_grad and id(param) not in held)
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer, prefix: Hashable = "") -> Iterator[Slot]:

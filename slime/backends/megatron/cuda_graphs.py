@@ -165,9 +165,10 @@ def keep_saved_inputs() -> bool:
 
 def prepare(models: Iterable[Any]) -> int:
     """Keep graphed layers' saved inputs (`keep_saved_inputs`) and make the first layer's input require grad
-    where the embedding is frozen (LoRA, freeze lists), returning how many embeddings got the hook. megatron's graph capture warms each layer up with a backward towards
-    its inputs (`torch.autograd.grad(inputs=...)`), which fails on a layer with no input that requires grad;
-    the cost is the first layer's input gradient, computed and dropped."""
+    where the embedding is frozen (LoRA, freeze lists), returning how many embeddings got the hook. megatron's
+    graph capture warms each layer up with a backward towards its inputs (`torch.autograd.grad(inputs=...)`),
+    which fails on a layer with no input that requires grad; the cost is the first layer's input gradient,
+    computed and dropped."""
     hooked = 0
     if any(_graphed(c) for c in _chunks(models)):
         keep_saved_inputs()

@@ -73,8 +73,8 @@ def apply_memory_budget(scheduler: Any, model: Any, device: torch.device, fracti
             raise ValueError(
                 f"--mem-fraction-static {fraction}: {budget / 2**30:.2f} GiB of the GPU's {total / 2**30:.2f} GiB, "
                 f"the weights take {weights / 2**30:.2f} GiB and one request's KV slot ({scheduler.context_length} "
-                f"tokens) {per_slot / 2**30:.3f} GiB, with {reserved / 2**20:.0f} MiB kept for compiling: no slot fits; raise cluster.rollout_gpu_fraction or lower "
-                "--max-slot-tokens")
+                f"tokens) {per_slot / 2**30:.3f} GiB, with {reserved / 2**20:.0f} MiB kept for compiling: no slot "
+                "fits; raise cluster.rollout_gpu_fraction or lower --max-slot-tokens")
         scheduler.max_running_requests = min(scheduler.max_running_requests, fit)
         decided["slots"] = scheduler.max_running_requests
     logger.info("memory budget: %.2f GiB (%.2f of the GPU), weights %.2f GiB%s", budget / 2**30, fraction,

@@ -454,10 +454,6 @@ class Scheduler:
         self._drop_finished()
         self.steps += 1
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
-        return transformers_forward(self.model, input_ids, mask, positions, cache, all_positions)
-
     def _score_prompts(self, requests: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
         """SGLang's input_token_logprobs: log p(token_i | tokens_<i) for i >= logprob_start_len,
         None for the first token of the sequence (nothing predicts it)."""
@@ -483,7 +479,7 @@ class Scheduler:
         ids, mask, positions = left_padded([r.input_ids for r in requests], self.device)
         cache = DynamicCache(config=self.model.config)
         scoring = any(r.logprob_start_len >= 0 for r in requests)
-        logits = self._forward(ids, mask, positions, cache, all_positions=scoring)
+        logits = transformers_forward(self.model, ids, mask, positions, cache, all_positions=scoring)
         if scoring:
             self._score_prompts(requests, logits, ids)
             logits = logits[:, -1, :]
@@ -502,7 +498,8 @@ class Scheduler:
         start = time.perf_counter()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
-        logits = self._forward(batch.next_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
+        logits = transformers_forward(self.model, batch.next_tokens.unsqueeze(1), batch.mask, positions,
+                                      batch.cache)
         launched = time.perf_counter()
         tokens, logprobs = self._sample(batch.requests, logits)
         sampled = time.perf_counter()
@@ -660,10 +657,10 @@ class Scheduler:
         slots, then their first tokens are sampled from the last positions' logits."""
         first = len(self._batch.requests) if self._batch else 0
         decoder = self._slot_decoder()
+        lengths = [len(r.input_ids) for r in requests]
         logits = torch.cat([decoder.prefill([r.input_ids for r in requests[start:end]], first_slot=first + start)
-                            for start, end in self._prefill_chunks([len(r.input_ids) for r in requests])])
-        tokens = self._choose(requests, logits)
-        self._append_slots(requests, tokens, [len(r.input_ids) for r in requests])
+                            for start, end in self._prefill_chunks(lengths)])
+        self._append_slots(requests, self._choose(requests, logits), lengths)
 
     def _prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
         """[start, end) row ranges, in order, each at most `chunked_prefill_size` padded tokens (its rows x its
