@@ -1,9 +1,13 @@
 """What the benchmarks share to read a step the same way: one step under torch.profiler, printed as torch's table
 (bench/train_step.py and bench/decode_step.py `--profile ROWS`), and an A/B of a switch interleaved step by step in
-one process (bench/train_step.py and bench/host_cost.py `--ab NAME`)."""
+one process (bench/train_step.py and bench/host_cost.py `--ab NAME`), and one step's host (Python) time under cProfile
+(bench/train_step.py `--host-profile ROWS`)."""
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -53,3 +57,22 @@ def print_profile(step: Callable[[], object], rows: int, title: str = "profiled 
     print(f"{title}: {total:.2f} ms of {'GPU' if cuda else 'CPU'} time, {kernels} "
           f"{'kernels' if cuda else 'operations'}", flush=True)
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+
+
+def print_host_profile(step: Callable[[], object], rows: int, title: str = "host profile") -> None:
+    """One `step()` under cProfile: the `rows` functions with the most own (tottime) host time, then by cumulative
+    time. On a GPU a host-bound step's time is this: what Python and the dispatcher spend issuing kernels (the
+    kernels run asynchronously; the closing synchronize shows up as the wait it is)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    step()
+    sync()
+    profiler.disable()
+    wall = time.perf_counter() - start
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(rows)
+        print(f"{title} ({wall:.3f} s wall under cProfile), by {order}:\n{out.getvalue()}", flush=True)

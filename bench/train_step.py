@@ -46,9 +46,15 @@ linear layers, slime/backends/megatron/host_trims.py; bench/host_cost.py) and `-
 copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
 micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
 the JSON line says which ran. `--ab NAME` (fp32-logits, compile-scores, log-probs-chunk-size, rope-cos-sin-cache,
-foreach-param-copy, host-trims) times one of those changes on and off in one process instead, alternating step
+foreach-param-copy, host-trims, triton-rope, compiled-rope, swiglu-fusion) times one of those changes on and off in one process instead, alternating step
 by step after the warm-up of both arms, and prints both medians and `off_over_on`: runs one after another drifted
-by more than the changes on a shared H100 (docs/benchmarks.md). `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
+by more than the changes on a shared H100 (docs/benchmarks.md). `--against-reference` times the plain-PyTorch reference
+(bench/torch_reference.py's model and step: HF Qwen2, SDPA, fused AdamW; `--reference-grad-checkpointing` to
+checkpoint it, its own default) in the same process, alternating a Megatron step and a reference step after the
+warm-up of both, so both run on the same GPU at the same moment: one JSON line with both medians and
+`reference_over_megatron` (SFT only). `--host-profile 40` runs one more step under cProfile (and one reference
+step with `--against-reference`) and prints the host functions that cost most: at 0.5B and micro-batch 1 the step
+is bound by the host issuing kernels. `--megatron cuda_graph_impl=local` replays each transformer layer as CUDA
 graphs (slime/backends/megatron/cuda_graphs.py): the first step records and captures them, so keep
 `--warmup` >= 2; each further `--seq` captures anew. `--profile 30` then profiles one more step
 (torch.profiler) and prints its 30 costliest GPU operations. Needs CUDA (no Ray, no Prefect).
@@ -67,7 +73,7 @@ from typing import Any
 
 import torch
 from mfu import add_step_arguments, mfu_fields
-from profiling import interleaved_ab, print_profile
+from profiling import interleaved_ab, print_host_profile, print_profile
 
 from slime.data.random_models import QWEN2_SHAPES, qwen2_config
 
@@ -113,6 +119,14 @@ def main() -> None:
     parser.add_argument("--ab", choices=sorted(AB_SWITCHES), default=None,
                         help="time the step with this change on (the default) and off, alternating step by step in one "
                              "process, --steps each after --warmup of each; one JSON line with both medians")
+    parser.add_argument("--against-reference", action="store_true",
+                        help="time bench/torch_reference.py's plain-PyTorch step in this process too, alternating "
+                             "step by step with this project's (SFT only)")
+    parser.add_argument("--reference-grad-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                        help="--against-reference: the reference with gradient checkpointing (default: without, "
+                             "its fastest at the memory these shapes need)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="ROWS",
+                        help="after the timed steps, one more under cProfile: its ROWS costliest host functions")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timed steps, one more under torch.profiler: print its ROWS costliest "
                              "GPU operations (self time, the whole step's GPU time first)")
@@ -134,6 +148,9 @@ def main() -> None:
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.types import Sample
 
+    if args.against_reference and (args.loss != "sft" or args.lora_rank or args.ab):
+        raise SystemExit("--against-reference times SFT steps of the full model (no --loss grpo, --lora-rank or "
+                         "--ab): the reference has neither")
     if args.ab and (cuda_graphs.requested(megatron) or len(args.seq) > 1):
         raise SystemExit("--ab needs one --seq and no CUDA graphs (a graph replays what it captured: a switch "
                          "changed between steps would not reach it)")
@@ -151,6 +168,12 @@ def main() -> None:
                "fp32_logits": args.fp32_logits, "rope_cos_sin_cache": args.rope_cos_sin_cache,
                "foreach_param_copy": args.foreach_param_copy, "host_trims": args.host_trims}
     params = sum(p.numel() for p in models[0].parameters())
+    reference = None
+    if args.against_reference:
+        import torch_reference
+
+        torch.manual_seed(0)
+        reference = torch_reference.build(config, torch.device("cuda"), args.reference_grad_checkpointing)
     grpo = args.loss == "grpo"
     settings = StepSettings(loss_type="policy_loss" if grpo else "sft_loss", micro_batch_size=args.micro_batch,
                             use_kl_loss=grpo, kl_loss_coef=0.01, kl_loss_type="low_var_kl",
@@ -164,8 +187,18 @@ def main() -> None:
         samples = [Sample(index=i, tokens=torch.randint(0, config.vocab_size, (seq,), generator=generator).tolist(),
                           response_length=response) for i in range(args.global_batch)]
         advantages = torch.randn(args.global_batch, generator=generator).tolist()  # GRPO: one per sample
+        if reference is not None:
+            print(json.dumps(against_reference(models, optimizer, reference, samples, settings, config.vocab_size,
+                                               args, seq, params, shape)), flush=True)
+            if args.host_profile:
+                print_host_profile(lambda s=samples: train_step(models, optimizer, s, settings,
+                                                                vocab_size=config.vocab_size),
+                                   args.host_profile, "this project's step")
+                print_host_profile(lambda s=samples: reference_step(reference, s, args.micro_batch), args.host_profile,
+                                   "plain PyTorch step")
+            continue
         if args.ab:
-            state = {"settings": settings}
+            state = {"settings": settings, "models": models}
 
             def one_step(samples: list[Sample] = samples, advantages: list[float] = advantages,
                          state: dict[str, Any] = state) -> None:
@@ -221,12 +254,66 @@ def main() -> None:
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
             "loss": round(metrics["loss" if grpo else "sft_loss"], 3), **kernels, **extra,
             "device": torch.cuda.get_device_name()}), flush=True)
+        def step(samples: list[Sample] = samples, advantages: list[float] = advantages) -> None:
+            arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size,
+                                 args.log_probs_max_tokens) if grpo else None
+            train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
+
+        if args.host_profile:
+            print_host_profile(step, args.host_profile, "this project's step")
         if args.profile:
-            def step(samples: list[Sample] = samples, advantages: list[float] = advantages) -> None:
-                arrays = grpo_arrays(models, ref_models, samples, advantages, settings, config.vocab_size,
-                                     args.log_probs_max_tokens) if grpo else None
-                train_step(models, optimizer, samples, settings, vocab_size=config.vocab_size, arrays=arrays)
             print_profile(step, args.profile)
+
+
+def reference_step(reference: tuple[torch.nn.Module, torch.optim.Optimizer], samples: list[Any],
+                   micro_batch: int) -> float:
+    """bench/torch_reference.py's step on the same token sequences as this project's step."""
+    import torch_reference
+
+    model, optimizer = reference
+    tokens = torch.tensor([sample.tokens for sample in samples], device=next(model.parameters()).device)
+    return torch_reference.train_step(model, optimizer, tokens, micro_batch)
+
+
+def against_reference(models: list[torch.nn.Module], optimizer: Any,
+                      reference: tuple[torch.nn.Module, torch.optim.Optimizer], samples: list[Any], settings: Any,
+                      vocab_size: int, args: argparse.Namespace, seq: int, params: int,
+                      shape: dict[str, int]) -> dict[str, Any]:
+    """This project's SFT step and the plain-PyTorch reference's, alternating step by step in this process (`--warmup`
+    of each first, then `--steps` each): both arms meet the same GPU, clocks and neighbours, where runs one after
+    another on the same machine differed by more than the gap measured (docs/benchmarks.md)."""
+    from slime.backends.megatron.train import train_step
+
+    state = {"megatron": True}
+
+    def one_step() -> None:
+        if state["megatron"]:
+            train_step(models, optimizer, samples, settings, vocab_size=vocab_size)
+        else:
+            reference_step(reference, samples, args.micro_batch)
+
+    def toggle(on: bool) -> None:
+        state["megatron"] = on
+
+    cuda = torch.cuda.is_available()  # the CPU only in tests
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    interleaved_ab(one_step, toggle, args.warmup, sync=sync)
+    result = interleaved_ab(one_step, toggle, args.steps, sync=sync)
+    tokens = args.global_batch * seq
+    fields = {}
+    for arm, step_s in (("megatron", result["on"]), ("reference", result["off"])):
+        mfu = mfu_fields(params, shape["num_hidden_layers"], shape["hidden_size"], seq, tokens / step_s,
+                         peak_tflops=args.peak_tflops)
+        fields.update({f"{arm}_step_s": round(step_s, 4), f"{arm}_tokens_per_s": round(tokens / step_s),
+                       f"{arm}_mfu": mfu["mfu"], f"{arm}_mfu_with_attention": mfu["mfu_with_attention"]})
+    return {"model": args.model, "seq": seq, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+            "megatron": megatron_options(args.megatron), "steps_each": args.steps, **fields,
+            "reference_over_megatron": round(result["off"] / result["on"], 4),
+            "reference_grad_checkpointing": args.reference_grad_checkpointing,
+            "peak_mem_gib_both": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
 def _settings_switch(**off: Any) -> Callable[[dict[str, Any]], Callable[[bool], None]]:
@@ -252,6 +339,27 @@ def _rope_cache(on: bool) -> None:
     rope_fusion.install(cache_cos_sin=on)
 
 
+def _rope_kernels(on: str, off: str) -> Callable[[bool], None]:
+    def toggle(use_on: bool) -> None:
+        from slime.backends.megatron import rope_fusion
+
+        rope_fusion.install(kernel=on if use_on else off)
+    return toggle
+
+
+def _swiglu_fusion(state: dict[str, Any]) -> Callable[[bool], None]:
+    """megatron's compiled SwiGLU (`bias_activation_fusion`, read by each MLP at every forward) against its eager
+    `glu` (chunk, silu, mul)."""
+    from mbridge.core.util import unwrap_model
+
+    configs = {id(m.config): m.config for m in unwrap_model(state["models"]) if hasattr(m, "config")}.values()
+
+    def toggle(on: bool) -> None:
+        for config in configs:
+            config.bias_activation_fusion = on
+    return toggle
+
+
 def _host_trims(on: bool) -> None:
     from slime.backends.megatron import host_trims
 
@@ -272,6 +380,10 @@ AB_SWITCHES: dict[str, Callable[[dict[str, Any]], Callable[[bool], None]]] = {
     "rope-cos-sin-cache": _process_switch(_rope_cache),
     "foreach-param-copy": _process_switch(_foreach_copy),
     "host-trims": _process_switch(_host_trims),
+    # the compiled regions' host cost (a torch.compile'd call costs the host more than a few eager kernels)
+    "triton-rope": _process_switch(_rope_kernels("triton", "compiled")),  # off: the compiled rotation
+    "compiled-rope": _process_switch(_rope_kernels("compiled", "eager")),  # compiled against eager kernels
+    "swiglu-fusion": _swiglu_fusion,  # off: megatron's eager SwiGLU
 }
 
 

@@ -45,3 +45,20 @@ def test_interleaved_ab_alternates_the_arms_and_leaves_the_change_on() -> None:
     assert toggled == [True, False] * 3 + [True] and state["on"] is True
     assert result == pytest.approx({"on": 3.3, "off": 5.4})  # medians of 3.1/3.3/3.5 and 5.2/5.4/5.6
     assert len(synced) == 12  # before and after each timed step
+
+
+def test_host_profile_names_the_function_that_cost_the_most_host_time(capsys) -> None:
+    def busy_python() -> int:
+        return sum(i * i for i in range(200_000))
+
+    def step() -> None:
+        busy_python()
+        torch.relu(torch.ones(4))
+
+    profiling.print_host_profile(step, rows=5, title="toy step")
+    out = capsys.readouterr().out
+    by_own, by_cumulative = out.split("by cumulative:")
+    assert by_own.startswith("toy step (") and "by tottime:" in by_own
+    listed = [line for line in by_own.splitlines() if "(" in line and ":" in line and "function calls" not in line]
+    assert any("<genexpr>" in line or "busy_python" in line for line in listed[:3]), by_own  # the costliest first
+    assert "busy_python" in by_cumulative

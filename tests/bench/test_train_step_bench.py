@@ -3,9 +3,11 @@
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,6 +30,12 @@ def test_grpo_step_pieces(tiny_kit):
     for key in ("loss", "grad_norm", "pg_loss"):
         assert reused[key] == pytest.approx(recomputed[key], rel=1e-6, abs=1e-7), key
     assert row["packed_gap"] < 1e-5, row  # --log-probs-max-tokens: packed passes, the same log-probs
+    # --against-reference: both arms stepped (3 steps each moved their weights) and were timed
+    against = row["against"]
+    assert against["moved"]["megatron"] > 0 and against["moved"]["reference"] > 0, against
+    assert against["megatron_step_s"] > 0 and against["reference_step_s"] > 0, against
+    assert against["reference_over_megatron"] == pytest.approx(
+        against["reference_step_s"] / against["megatron_step_s"], rel=1e-2), against
 
 
 def test_megatron_options_are_read_as_the_config_reads_them():
@@ -66,14 +74,31 @@ def test_each_ab_switch_flips_its_change_and_restores_it():
         assert state["settings"] is base
     process = {"rope-cos-sin-cache": lambda: rope_utils.fused_apply_rotary_pos_emb,
                "foreach-param-copy": lambda: mcore_optimizer._multi_tensor_copy_this_to_that,
-               "host-trims": lambda: mcore_layers.LinearWithGradAccumulationAndAsyncCommunication.backward}
+               "host-trims": lambda: mcore_layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
+               "triton-rope": lambda: rope_utils.fused_apply_rotary_pos_emb,
+               "compiled-rope": lambda: rope_utils.fused_apply_rotary_pos_emb}
     rope_fusion.install()
     optimizer.use_foreach_param_copy(True)
     host_trims.install(True)
     for name, current in process.items():
         toggle = AB_SWITCHES[name]({})
+        toggle(True)  # the default, except compiled-rope's on arm (the compiled rotation)
         on = current()
         toggle(False)
         assert current() is not on, name
         toggle(True)
         assert current() is on, name
+    rope_fusion.install()
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb
+
+    # swiglu-fusion flips the config every MLP reads at its forward (one config shared by the model's modules)
+    config = types.SimpleNamespace(bias_activation_fusion=True)
+    toggle = AB_SWITCHES["swiglu-fusion"]({"models": [torch.nn.Module()]})
+    toggle(False)  # a model without a config: nothing to flip, no error
+    model = torch.nn.Module()
+    model.config = config
+    toggle = AB_SWITCHES["swiglu-fusion"]({"models": [model]})
+    toggle(False)
+    assert config.bias_activation_fusion is False
+    toggle(True)
+    assert config.bias_activation_fusion is True

@@ -1,11 +1,13 @@
 """Run in a subprocess by test_train_step_bench.py: bench/train_step.py's GRPO pieces on the tiny model
 (CPU, fp32): the reference model starts as the policy, the recomputed old and reference log-probs are the
 model's own, and a policy step with the KL loss runs on them; then, at lr 0, a step as `--reuse-log-probs` times it
-(no old-policy pass) against the recomputed one.
+(no old-policy pass) against the recomputed one; last, `--against-reference`'s alternation of this project's step
+with bench/torch_reference.py's on the same samples.
 
     python train_step_grpo.py HF_DIR   -> prints one JSON line
 """
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -15,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from train_step import grpo_arrays, reference_model  # noqa: E402
+import torch_reference  # noqa: E402
+from train_step import against_reference, grpo_arrays, reference_model  # noqa: E402
 
 from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge  # noqa: E402
 from slime.backends.megatron.logprobs import pad_samples, response_log_probs  # noqa: E402
@@ -62,8 +65,26 @@ def main() -> None:
         metrics = train_step(models, optimizer, samples, step_settings, vocab_size=vocab, arrays=arrays)
         reuse[str(flag).lower()] = {"has_old": arrays.old_log_probs is not None, "loss": metrics["loss"],
                                     "grad_norm": metrics["grad_norm"], "pg_loss": metrics["pg_loss"]}
-    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable, "reuse": reuse, "packed_gap": packed_gap}),
-          flush=True)
+    print(json.dumps({"steps": rows, "ref_trainable": ref_trainable, "reuse": reuse, "packed_gap": packed_gap,
+                      "against": against(bridge, models, optimizer, samples, vocab)}), flush=True)
+
+
+def against(bridge, models, optimizer, samples, vocab) -> dict:
+    """`--against-reference` on the tiny model: both arms step (each changes its own weights) and are timed."""
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2
+    config = bridge.hf_config
+    reference = torch_reference.build(config, torch.device("cpu"), False, dtype=torch.float32, fused=False)
+    before = {"megatron": next(models[0].parameters()).detach().clone(),
+              "reference": next(reference[0].parameters()).detach().clone()}
+    args = argparse.Namespace(model="tiny", global_batch=len(samples), micro_batch=2, megatron=[], warmup=1, steps=2,
+                              peak_tflops=989.0, reference_grad_checkpointing=False)
+    shape = {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size}
+    row = against_reference(models, optimizer, reference, samples, StepSettings(loss_type="sft_loss",
+                            micro_batch_size=2), vocab, args, len(samples[0].tokens), 1000, shape)
+    row["moved"] = {"megatron": (next(models[0].parameters()) - before["megatron"]).abs().max().item(),
+                    "reference": (next(reference[0].parameters()) - before["reference"]).abs().max().item()}
+    return row
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ pointwise rotation by them. `fused_apply_rotary_pos_emb` computes `cos_sin` eage
 bf16 cos/sin are megatron's bit for bit, which Triton's `cos`/`sin` need not be) and runs `rotate` compiled by
 torch.compile, which on CUDA with Triton makes one pointwise kernel forward and one backward. `install()` puts
 it where megatron's `apply_rotary_pos_emb` looks for TE's (the module global `fused_apply_rotary_pos_emb`), so
-`apply_rope_fusion` turns it on. Packed (THD) sequences need TE's THD kernel, which this does not provide;
+`apply_rope_fusion` turns it on. On CUDA, for the halves layout of Qwen and Llama, `rope_kernel`'s hand-written
+Triton kernel does the rotation instead (the same values, one kernel each way as well, but a fraction of the host
+time a torch.compile'd call costs: the 0.5B step is bound by the host, docs/benchmarks.md). Packed (THD) sequences need TE's THD kernel, which this does not provide;
 slime's batches are right-padded (the SDPA attention refuses packed sequences), so megatron never asks for it.
 
 cos/sin are computed once per angle table and dtype (`cached_cos_sin`), not per call: megatron passes every layer's
@@ -35,6 +37,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from slime.backends.megatron import rope_kernel
 
 
 def cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,24 +89,56 @@ def cached_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return tables[dtype]
 
 
+def _fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The rotation by a fused kernel: rope_kernel's Triton kernel where it applies (CUDA, the halves layout), else
+    the compiled `rotate`."""
+    if rope_kernel.applies(t, cos, interleaved):
+        return rope_kernel.rotary(t, cos, sin)
+    return _compiled(t, cos, sin, interleaved)
+
+
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """TE's `fused_apply_rotary_pos_emb(t, freqs, interleaved=...)` signature, as megatron calls it."""
-    return _compiled(t, *cached_cos_sin(freqs, t.dtype), interleaved)
+    return _fused_rotate(t, *cached_cos_sin(freqs, t.dtype), interleaved)
 
 
 def fused_apply_rotary_pos_emb_uncached(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """`fused_apply_rotary_pos_emb` with cos/sin computed at every call (the A/B of `install(cache_cos_sin=False)`)."""
-    return _compiled(t, *cos_sin(freqs, t.dtype), interleaved)
+    return _fused_rotate(t, *cos_sin(freqs, t.dtype), interleaved)
 
 
-def install(cache_cos_sin: bool = True) -> bool:
-    """Let megatron's `apply_rope_fusion` use `fused_apply_rotary_pos_emb` (idempotent; `cache_cos_sin` False: the
-    uncached variant); False where TE provides its kernel and that is used instead."""
+def compiled_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`fused_apply_rotary_pos_emb` with the compiled `rotate` even where the Triton kernel applies (the A/B of
+    `install(kernel="compiled")`)."""
+    return _compiled(t, *cached_cos_sin(freqs, t.dtype), interleaved)
+
+
+def eager_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`fused_apply_rotary_pos_emb` run eagerly (cached cos/sin, the rotation as separate kernels): the A/B of
+    `install(kernel="eager")`."""
+    return rotate(t, *cached_cos_sin(freqs, t.dtype), interleaved)
+
+
+KERNELS = ("triton", "compiled", "eager")
+
+
+def install(cache_cos_sin: bool = True, kernel: str = "triton") -> bool:
+    """Let megatron's `apply_rope_fusion` use `fused_apply_rotary_pos_emb` (idempotent); False where TE provides its
+    kernel and that is used instead. For A/Bs: `cache_cos_sin` False, cos/sin at every call; `kernel` "compiled",
+    the compiled rotation where the Triton kernel would run, "eager", the rotation as eager kernels (both with
+    cos/sin cached)."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    ours = (fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_uncached)
+    if kernel not in KERNELS:
+        raise ValueError(f"rope_fusion.install: kernel {kernel!r} is not one of {KERNELS}")
+    ours = (fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_uncached, compiled_apply_rotary_pos_emb,
+            eager_apply_rotary_pos_emb)
     current = rope_utils.fused_apply_rotary_pos_emb
     if current is not None and current not in ours:
         return False
-    rope_utils.fused_apply_rotary_pos_emb = ours[0] if cache_cos_sin else ours[1]
+    if kernel == "triton":
+        chosen = fused_apply_rotary_pos_emb if cache_cos_sin else fused_apply_rotary_pos_emb_uncached
+    else:
+        chosen = compiled_apply_rotary_pos_emb if kernel == "compiled" else eager_apply_rotary_pos_emb
+    rope_utils.fused_apply_rotary_pos_emb = chosen
     return True

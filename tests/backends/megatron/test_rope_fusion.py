@@ -104,3 +104,20 @@ def test_install_can_choose_the_uncached_provider(monkeypatch):
     assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb_uncached
     assert rope_fusion.install()  # and back: both are ours
     assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb
+
+
+def test_install_can_choose_the_eager_rotation_which_is_megatrons(monkeypatch):
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    with pytest.raises(ValueError, match="'fast' is not one of"):
+        rope_fusion.install(kernel="fast")
+    assert rope_fusion.install(kernel="compiled")
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.compiled_apply_rotary_pos_emb
+    assert rope_fusion.install(kernel="eager")
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.eager_apply_rotary_pos_emb
+    t = torch.randn(8, 2, 3, 16, dtype=torch.bfloat16)
+    freqs = torch.randn(8, 1, 1, 16)
+    # eager, cos/sin cached: megatron's unfused rotation bit for bit
+    assert torch.equal(rope_fusion.eager_apply_rotary_pos_emb(t, freqs),
+                       rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False))
+    assert rope_fusion.install()  # and back to the compiled one
+    assert rope_utils.fused_apply_rotary_pos_emb is rope_fusion.fused_apply_rotary_pos_emb
