@@ -46,7 +46,7 @@ linear layers, slime/backends/megatron/host_trims.py; bench/host_cost.py) and `-
 copied into the logits' gradient, instead of one kernel over the whole logits; 441 is the default chunk at
 micro-batch 1 and a 152k vocabulary) (the work removed after bench/op_census.py's census, docs/megatron.md);
 the JSON line says which ran. `--ab NAME` (fp32-logits, compile-scores, log-probs-chunk-size, rope-cos-sin-cache,
-foreach-param-copy, host-trims, triton-rope, compiled-rope, swiglu-fusion) times one of those changes on and off in one process instead, alternating step
+foreach-param-copy, host-trims, triton-rope, compiled-rope, triton-swiglu, swiglu-fusion) times one of those changes on and off in one process instead, alternating step
 by step after the warm-up of both arms, and prints both medians and `off_over_on`: runs one after another drifted
 by more than the changes on a shared H100 (docs/benchmarks.md). `--against-reference` times the plain-PyTorch reference
 (bench/torch_reference.py's model and step: HF Qwen2, SDPA, fused AdamW; `--reference-grad-checkpointing` to
@@ -360,6 +360,12 @@ def _swiglu_fusion(state: dict[str, Any]) -> Callable[[bool], None]:
     return toggle
 
 
+def _triton_swiglu(on: bool) -> None:
+    from slime.backends.megatron import swiglu_kernel
+
+    swiglu_kernel.install(on)
+
+
 def _host_trims(on: bool) -> None:
     from slime.backends.megatron import host_trims
 
@@ -384,6 +390,7 @@ AB_SWITCHES: dict[str, Callable[[dict[str, Any]], Callable[[bool], None]]] = {
     "triton-rope": _process_switch(_rope_kernels("triton", "compiled")),  # off: the compiled rotation
     "compiled-rope": _process_switch(_rope_kernels("compiled", "eager")),  # compiled against eager kernels
     "swiglu-fusion": _swiglu_fusion,  # off: megatron's eager SwiGLU
+    "triton-swiglu": _process_switch(_triton_swiglu),  # off: megatron's compiled SwiGLU
 }
 
 

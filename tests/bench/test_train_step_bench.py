@@ -57,9 +57,10 @@ def test_each_ab_switch_flips_its_change_and_restores_it():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import layers as mcore_layers
+    from megatron.core.transformer import mlp as mcore_mlp
     from train_step import AB_SWITCHES
 
-    from slime.backends.megatron import host_trims, optimizer, rope_fusion
+    from slime.backends.megatron import host_trims, optimizer, rope_fusion, swiglu_kernel
     from slime.backends.megatron.train import StepSettings
 
     base = StepSettings(loss_type="sft_loss")
@@ -76,10 +77,12 @@ def test_each_ab_switch_flips_its_change_and_restores_it():
                "foreach-param-copy": lambda: mcore_optimizer._multi_tensor_copy_this_to_that,
                "host-trims": lambda: mcore_layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
                "triton-rope": lambda: rope_utils.fused_apply_rotary_pos_emb,
-               "compiled-rope": lambda: rope_utils.fused_apply_rotary_pos_emb}
+               "compiled-rope": lambda: rope_utils.fused_apply_rotary_pos_emb,
+               "triton-swiglu": lambda: mcore_mlp.bias_swiglu_impl}
     rope_fusion.install()
     optimizer.use_foreach_param_copy(True)
     host_trims.install(True)
+    swiglu_kernel.install(True)
     for name, current in process.items():
         toggle = AB_SWITCHES[name]({})
         toggle(True)  # the default, except compiled-rope's on arm (the compiled rotation)

@@ -13,9 +13,11 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
    (`bias_activation_fusion`, `megatron.core.fusions.fused_bias_swiglu`, bias or not) needs neither: it
    is `torch.compile`d (`megatron.core.jit.jit_fuser`), so it is on where torch.compile makes GPU kernels
    (CUDA with Triton, `fused_activation_available`) and off on CPU, where it would only add an inductor
-   C++ compile to the first step. Two more get torch providers in TE's and Apex's place, on by default
-   under the same condition and turned on or off by their megatron options: rotary fusion
-   (`apply_rope_fusion`, `rope_fusion.py`: a torch.compile'd rotation) and gradient-accumulation fusion
+   C++ compile to the first step; without a bias it runs `swiglu_kernel.py`'s Triton kernel instead (the
+   same values at a fraction of a compiled call's host cost). Two more get torch providers in TE's and
+   Apex's place, on by default under the same condition and turned on or off by their megatron options:
+   rotary fusion (`apply_rope_fusion`, `rope_fusion.py`: a Triton kernel, or a torch.compile'd rotation
+   where it does not apply) and gradient-accumulation fusion
    (`gradient_accumulation_fusion`, `wgrad_fusion.py`: the weight-gradient GEMM writes into the fp32
    `main_grad`; CUDA with torch's bf16 -> fp32 GEMM). Models built without DDP have no `main_grad`:
    `build_model` computes their weight gradients unfused.
@@ -62,7 +64,14 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from slime.backends.megatron import cuda_graphs, frozen_linear, host_trims, rope_fusion, wgrad_fusion
+    from slime.backends.megatron import (
+        cuda_graphs,
+        frozen_linear,
+        host_trims,
+        rope_fusion,
+        swiglu_kernel,
+        wgrad_fusion,
+    )
     from slime.backends.megatron.attention import with_sdpa
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
@@ -225,6 +234,7 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         logger.info("gradient_accumulation_fusion: Apex's fused_weight_gradient_mlp_cuda")
     frozen_linear.install()
     host_trims.install()
+    swiglu_kernel.install()  # only where megatron calls its fused SwiGLU (bias_activation_fusion), and on CUDA
     bridge.set_extra_args(**chosen)
     name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
