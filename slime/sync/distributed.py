@@ -52,11 +52,10 @@ def sending_device(backend: str) -> torch.device:
 class _TrainerGroup:
     """Rank 0's side of the group: its store (the TCPStore server), process group and sending device."""
 
-    def __init__(self, address: str, port: int, world_size: int, backend: str, timeout: dt.timedelta,
+    def __init__(self, store: dist.TCPStore, world_size: int, backend: str, timeout: dt.timedelta,
                  device: torch.device | None = None) -> None:
         self.device = device or sending_device(backend)  # pass the caller's: this may run on a fresh thread
-        self.store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
-                                   wait_for_workers=False)
+        self.store = store
         prefixed = dist.PrefixStore(GROUP_NAME, self.store)
         if backend == "gloo":
             self.group = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
@@ -123,21 +122,31 @@ class DistributedSync:
 
     async def _connect(self, client: EngineClient, urls: list[str], state: str) -> None:
         await self.close(client)
-        port = find_free_port(self.master_address)
         world_size = len(urls) + 1
+        try:
+            find_free_port(self.master_address)  # binds the address: refuses at once one that is not this host's
+            # port 0: the OS picks a free port as the store binds it, so no other process can take it between
+            # choosing and binding (a port probed free first was, once, taken by then: EADDRINUSE)
+            store = await in_thread(lambda: dist.TCPStore(self.master_address, 0, world_size, is_master=True,
+                                                          timeout=self.timeout, wait_for_workers=False))
+        except Exception as error:  # nothing has been asked of the engines yet
+            raise WeightSyncError(
+                f"this trainer could not open the weight-sync store on {self.master_address}: {type(error).__name__}: "
+                f"{error} (the master address must be one of this host's, which the engines can reach)",
+                phase="connect", state=state) from error
+        port = store.port
         bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
                    "world_size": world_size, "group_name": GROUP_NAME, "backend": self.backend,
                    "timeout_s": self.timeout.total_seconds()} for i in range(len(urls))]
         device = sending_device(self.backend)  # this thread's device; the group's threads start on cuda:0
-        joining = in_thread(lambda: _TrainerGroup(self.master_address, port, world_size, self.backend, self.timeout,
-                                                  device))
+        joining = in_thread(lambda: _TrainerGroup(store, world_size, self.backend, self.timeout, device))
         # the engines answer once the group has formed, which needs this rank as well
         posting = asyncio.ensure_future(
             post_all(client, urls, "/init_weights_update_group", bodies, phase="connect", state=state))
         await asyncio.wait([joining, posting], return_when=asyncio.FIRST_COMPLETED)
         if joining.done() and joining.exception() is not None and not posting.done():
-            # this rank could not open the group (its store's port taken, say): the engines would wait
-            # for it until the group timeout, so stop waiting now and report why
+            # this rank could not open the group (its process group failed to form, say): the engines would
+            # wait for it until the group timeout, so stop waiting now and report why
             posting.cancel()
             await asyncio.wait([posting])
             await self._destroy_on(client, urls)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from slime.engines.builtin.sampling import BadRequestError
-from slime.engines.process import find_free_port
 from slime.sync.common import SyncResult, in_thread
 from slime.sync.delta import checksum, host_bytes
 from slime.sync.distributed import GROUP_NAME, _TrainerGroup
@@ -86,8 +85,8 @@ def test_engine_checks_the_received_checksums_before_applying(updater):
     params = [updater.targets.tensors[n] for n in names]
     before = [p.detach().clone() for p in params]
     new = [torch.randn(p.shape) for p in params]
-    port = find_free_port()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # the OS picks the port
+    body = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
             "group_name": GROUP_NAME, "backend": "gloo"}
     sums = [checksum(host_bytes(t), "blake3") for t in new]
 
@@ -102,7 +101,7 @@ def test_engine_checks_the_received_checksums_before_applying(updater):
 
     async def run():
         nonlocal group
-        trainer = in_thread(lambda: _TrainerGroup("127.0.0.1", port, 2, "gloo", dist.default_pg_timeout))
+        trainer = in_thread(lambda: _TrainerGroup(store, 2, "gloo", dist.default_pg_timeout))
         await asyncio.to_thread(updater.init_group, body)
         group = await trainer
         with pytest.raises(BadRequestError, match=rf"tensor '{names[1]}': the received bytes have blake3 checksum "

@@ -5,7 +5,6 @@ and leaves the engines paused, and the next good sync recovers."""
 import asyncio
 import base64
 import pickle
-import socket
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 from slime.config import SyncConfig
 from slime.engines.client import EngineClient
-from slime.sync import WeightSyncer, WeightSyncError
+from slime.sync import WeightSyncer, WeightSyncError, distributed
 from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_tensors
 
 GREEDY = {"input_ids": [52, 43, 53, 61], "sampling_params": {"max_new_tokens": 6, "temperature": 0,
@@ -142,33 +141,55 @@ def test_distributed_group_is_reused_and_reformed_when_engines_change(cluster, h
 
 def test_trainer_that_cannot_open_its_group_fails_at_once_and_the_next_sync_recovers(cluster, http, hf_weights,
                                                                                      monkeypatch):
-    """The trainer's store port is taken: the engines would wait for rank 0 until the group timeout;
-    the sync fails as soon as the trainer's side does, saying why, and a later sync forms the group."""
+    """The trainer's side of the group fails to form while the engines join: they would wait for rank 0 until the
+    group timeout; the sync fails as soon as the trainer's side does, saying why, and a later sync forms the group."""
     _, urls = cluster
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(1)
-    monkeypatch.setattr("slime.sync.distributed.find_free_port", lambda host: taken.getsockname()[1])
+
+    class Refusing(distributed._TrainerGroup):
+        def __init__(self, store, *args, **kwargs):
+            raise RuntimeError(f"process group refused (store on port {store.port})")
+
+    monkeypatch.setattr(distributed, "_TrainerGroup", Refusing)
 
     async def run(config):
         syncer = WeightSyncer(config)
         try:
-            return await syncer.sync(urls, lambda: iter(hf_weights.items()), "after-taken-port")
+            return await syncer.sync(urls, lambda: iter(hf_weights.items()), "after-refused-group")
         finally:
             await syncer.close()
 
     # the engines' own join attempt gives up after the group timeout: keep it short for the fixture's teardown
     config = SyncConfig(weight_sync_mode="distributed", weight_sync_timeout_s=20)
     start = time.monotonic()
-    try:
-        with pytest.raises(WeightSyncError, match="could not open the weight-sync group") as caught:
-            asyncio.run(run(config))
-    finally:
-        taken.close()
+    with pytest.raises(WeightSyncError, match="could not open the weight-sync group.*process group refused") as caught:
+        asyncio.run(run(config))
     assert caught.value.phase == "connect"
     assert time.monotonic() - start < 15, "must not wait for the group timeout"
     monkeypatch.undo()
     result = asyncio.run(run(config))
     assert result.mode == "distributed"
-    assert all(http.get(f"{url}/model_info").json()["weight_version"] == "after-taken-port" for url in urls)
+    assert all(http.get(f"{url}/model_info").json()["weight_version"] == "after-refused-group" for url in urls)
+    assert all(state(http, url)["paused"] is False for url in urls)
+
+
+def test_a_master_address_not_of_this_host_is_refused_before_any_engine_is_asked(cluster, http, hf_weights):
+    """192.0.2.1 (TEST-NET-1) is no address of this host: the store cannot be bound there, and the sync says so at
+    once instead of waiting for its timeout, with no group opened on the engines."""
+    _, urls = cluster
+
+    async def run():
+        syncer = WeightSyncer(SyncConfig(weight_sync_mode="distributed"), master_address="192.0.2.1")
+        try:
+            return await syncer.sync(urls, lambda: iter(hf_weights.items()), "unreachable-master")
+        finally:
+            await syncer.close()
+
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"could not open the weight-sync store on 192\.0\.2\.1") as caught:
+        asyncio.run(run())
+    assert caught.value.phase == "connect" and time.monotonic() - start < 10
+    assert all(state(http, url)["weight_update_groups"] == [] for url in urls)  # no engine was asked to join
+    assert all(state(http, url)["paused"] is True for url in urls)  # left paused, as after any failed sync
+    assert sync("distributed", urls, hf_weights, "after-bad-master").mode == "distributed"  # and it recovers
+    assert all(http.get(f"{url}/model_info").json()["weight_version"] == "after-bad-master" for url in urls)
     assert all(state(http, url)["paused"] is False for url in urls)
