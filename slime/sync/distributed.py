@@ -49,6 +49,12 @@ def sending_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def trainer_store(address: str, world_size: int, timeout: dt.timedelta) -> dist.TCPStore:
+    """Rank 0's TCPStore on `address`, on a port the OS picks as it binds (port 0; `store.port` says which), so no
+    other process can take it between choosing and binding (a port probed free and bound later once was taken)."""
+    return dist.TCPStore(address, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 class _TrainerGroup:
     """Rank 0's side of the group: its store (the TCPStore server), process group and sending device."""
 
@@ -125,10 +131,7 @@ class DistributedSync:
         world_size = len(urls) + 1
         try:
             find_free_port(self.master_address)  # binds the address: refuses at once one that is not this host's
-            # port 0: the OS picks a free port as the store binds it, so no other process can take it between
-            # choosing and binding (a port probed free first was, once, taken by then: EADDRINUSE)
-            store = await in_thread(lambda: dist.TCPStore(self.master_address, 0, world_size, is_master=True,
-                                                          timeout=self.timeout, wait_for_workers=False))
+            store = await in_thread(lambda: trainer_store(self.master_address, world_size, self.timeout))
         except Exception as error:  # nothing has been asked of the engines yet
             raise WeightSyncError(
                 f"this trainer could not open the weight-sync store on {self.master_address}: {type(error).__name__}: "

@@ -14,10 +14,9 @@ from slot_models import small, tiny
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ATTENTION, MLP, ProjectionFusion, weight_slots
 from slime.engines.builtin.slots import SlotDecoder
-from slime.engines.process import find_free_port
 from slime.offload import module_slots
 from slime.sync.common import in_thread
-from slime.sync.distributed import GROUP_NAME, _TrainerGroup
+from slime.sync.distributed import GROUP_NAME, _TrainerGroup, trainer_store
 from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_tensors
 
 PROMPT = [52, 43, 53, 61, 7, 19, 33, 8]
@@ -192,12 +191,12 @@ def test_tensor_and_distributed_updates_reach_the_fused_buffers(engine, tiny_kit
 
     name = "model.layers.2.self_attn.k_proj.weight"
     new = torch.randn(state[name].shape, generator=generator) * 0.2
-    port = find_free_port()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+    store = trainer_store("127.0.0.1", 2, dist.default_pg_timeout)
+    body = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
             "group_name": GROUP_NAME, "backend": "gloo"}
 
     async def run():
-        trainer = in_thread(lambda: _TrainerGroup("127.0.0.1", port, 2, "gloo", dist.default_pg_timeout))
+        trainer = in_thread(lambda: _TrainerGroup(store, 2, "gloo", dist.default_pg_timeout))
         joined = await asyncio.to_thread(engine.init_weights_update_group, body)
         assert joined["success"], joined
         group = await trainer

@@ -13,9 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from slime.engines.builtin.sampling import BadRequestError
 from slime.engines.builtin.weights import WeightUpdater, decode_named_tensors
-from slime.engines.process import find_free_port
 from slime.sync.common import in_thread
-from slime.sync.distributed import GROUP_NAME, _TrainerGroup
+from slime.sync.distributed import GROUP_NAME, _TrainerGroup, trainer_store
 from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_tensors
 
 
@@ -96,12 +95,12 @@ def test_distributed_update_over_gloo(updater):
     name = "model.layers.0.self_attn.v_proj.weight"
     param = updater.targets.tensors[name]
     new = torch.randn(param.shape)
-    port = find_free_port()
-    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+    store = trainer_store("127.0.0.1", 2, dist.default_pg_timeout)
+    body = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
             "group_name": GROUP_NAME, "backend": "gloo"}
 
     async def run():
-        trainer = in_thread(lambda: _TrainerGroup("127.0.0.1", port, 2, "gloo", dist.default_pg_timeout))
+        trainer = in_thread(lambda: _TrainerGroup(store, 2, "gloo", dist.default_pg_timeout))
         await asyncio.to_thread(updater.init_group, body)
         group = await trainer
         sending = in_thread(lambda: group.broadcast([new.to(torch.bfloat16)]))

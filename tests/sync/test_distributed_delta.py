@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from slime.engines.builtin.sampling import BadRequestError
 from slime.sync.common import SyncResult, in_thread
 from slime.sync.delta import checksum, host_bytes
-from slime.sync.distributed import GROUP_NAME, _TrainerGroup
+from slime.sync.distributed import GROUP_NAME, _TrainerGroup, trainer_store
 from slime.sync.distributed_delta import CHUNK, DeltaFilter, fingerprint
 
 
@@ -85,7 +85,7 @@ def test_engine_checks_the_received_checksums_before_applying(updater):
     params = [updater.targets.tensors[n] for n in names]
     before = [p.detach().clone() for p in params]
     new = [torch.randn(p.shape) for p in params]
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # the OS picks the port
+    store = trainer_store("127.0.0.1", 2, dist.default_pg_timeout)
     body = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
             "group_name": GROUP_NAME, "backend": "gloo"}
     sums = [checksum(host_bytes(t), "blake3") for t in new]
