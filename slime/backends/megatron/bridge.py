@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from slime.compiled import triton_on_cuda
 from slime.engines.process import find_free_port
 from slime.errors import ConfigError
 from slime.megatron_flags import checkpoint_mismatches
@@ -259,7 +260,7 @@ def _check_graph_rng(options: dict[str, Any]) -> None:
 def fused_activation_available() -> bool:
     """Whether megatron's torch.compile'd fusions (SwiGLU, and the rotary provider of `rope_fusion`) run as fused
     GPU kernels here: CUDA, and Triton for inductor to generate them with."""
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    return triton_on_cuda()
 
 
 def checkpoint_metadata(bridge: Any, hf_dir: str) -> dict[str, Any]:

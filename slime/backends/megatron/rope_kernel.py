@@ -24,15 +24,10 @@ views of the fused QKV projection's output); the output is contiguous.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
-
-@functools.cache
-def available() -> bool:
-    """Triton importable and a CUDA device present."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+from slime.compiled import triton_on_cuda
 
 
 def applies(t: torch.Tensor, cos: torch.Tensor, interleaved: bool) -> bool:
@@ -41,7 +36,7 @@ def applies(t: torch.Tensor, cos: torch.Tensor, interleaved: bool) -> bool:
     half = dim // 2
     return (t.is_cuda and not interleaved and t.dim() == 4 and cos.dim() == 4 and cos.shape[-1] == dim
             and half >= 16 and half & (half - 1) == 0 and cos.shape[0] == t.shape[0]
-            and cos.shape[1] == 1 and cos.shape[2] == 1 and available())
+            and cos.shape[1] == 1 and cos.shape[2] == 1 and triton_on_cuda())
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.megatron.rope_kernel import available
+from slime.compiled import triton_on_cuda
 
 _ORIGINAL: dict[str, Any] = {}
 
@@ -89,7 +89,7 @@ class _SwiGLU(torch.autograd.Function):
 def applies(y: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bool, cpu_offload_input: bool) -> bool:
     """Whether the kernel runs this call (see the module docstring)."""
     return (bias is None and not fp8_input_store and not cpu_offload_input and y.is_cuda and y.dim() in (2, 3)
-            and y.shape[-1] % 2 == 0 and available())
+            and y.shape[-1] % 2 == 0 and triton_on_cuda())
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
