@@ -194,7 +194,7 @@ def main() -> None:
                 print_host_profile(lambda s=samples: train_step(models, optimizer, s, settings,
                                                                 vocab_size=config.vocab_size),
                                    args.host_profile, "this project's step")
-                print_host_profile(lambda s=samples: reference_step(reference, s, args.micro_batch), args.host_profile,
+                print_host_profile(reference_step(reference, samples, args.micro_batch), args.host_profile,
                                    "plain PyTorch step")
             continue
         if args.ab:
@@ -266,13 +266,14 @@ def main() -> None:
 
 
 def reference_step(reference: tuple[torch.nn.Module, torch.optim.Optimizer], samples: list[Any],
-                   micro_batch: int) -> float:
-    """bench/torch_reference.py's step on the same token sequences as this project's step."""
+                   micro_batch: int) -> Callable[[], float]:
+    """bench/torch_reference.py's step on the same token sequences as this project's step, the tokens put on the
+    device once here (as torch_reference.py does before its timed steps), not in every timed step."""
     import torch_reference
 
     model, optimizer = reference
     tokens = torch.tensor([sample.tokens for sample in samples], device=next(model.parameters()).device)
-    return torch_reference.train_step(model, optimizer, tokens, micro_batch)
+    return lambda: torch_reference.train_step(model, optimizer, tokens, micro_batch)
 
 
 def against_reference(models: list[torch.nn.Module], optimizer: Any,
@@ -285,12 +286,13 @@ def against_reference(models: list[torch.nn.Module], optimizer: Any,
     from slime.backends.megatron.train import train_step
 
     state = {"megatron": True}
+    plain_step = reference_step(reference, samples, args.micro_batch)
 
     def one_step() -> None:
         if state["megatron"]:
             train_step(models, optimizer, samples, settings, vocab_size=vocab_size)
         else:
-            reference_step(reference, samples, args.micro_batch)
+            plain_step()
 
     def toggle(on: bool) -> None:
         state["megatron"] = on
