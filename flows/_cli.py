@@ -3,7 +3,9 @@
 Runs a flow in this process (ephemeral Prefect API unless PREFECT_API_URL is set), prints its JSON
 result, and says where the artifacts are and how to look at the run in the Prefect UI. SIGTERM stops it
 cleanly: Prefect marks the runs Crashed, the RL loop stops its engines and Ray, and the process exits
-with 143 through the interpreter's normal shutdown (which stops the ephemeral API server).
+with 143 through the interpreter's normal shutdown (which stops the ephemeral API server). When the
+ephemeral API server is gone first (the signal went to the whole process group), Prefect's client stops
+retrying it: the process still exits within seconds, 143 (130 for Ctrl-C), the runs' ends unrecorded.
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ import argparse
 import inspect
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prefect import Flow
+from prefect.exceptions import TerminationSignal
 from prefect.settings import (
     PREFECT_API_URL,
     PREFECT_HOME,
+    PREFECT_SERVER_ANALYTICS_ENABLED,
+    PREFECT_SERVER_EPHEMERAL_ENABLED,
     PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    Settings,
     temporary_settings,
 )
 
@@ -63,6 +71,51 @@ def ui_hint(flow_run_id: str | None = None) -> str:
             f"--port 4200, then open http://127.0.0.1:4200/{page}")
 
 
+def watch_ephemeral_api(settings: Settings) -> None:
+    """Start Prefect's ephemeral API server now (the flow's first API call would) and, once it has exited,
+    whatever stopped it, turn off Prefect's client retries in `settings`; nothing with PREFECT_API_URL set.
+
+    `settings` is the run's (from `temporary_settings`): the flow engine's client and the log and event
+    workers started under it read PREFECT_CLIENT_MAX_RETRIES from it at every attempt (`_send_with_retry`
+    in prefect/client/base.py). Why: SIGTERM or Ctrl-C sent to the process group stops that server with
+    the flow, which then retried the Crashed states and logs it reports 5 times each, 2+4+8+16+32 s apart:
+    ~150 s to exit, exit code 1. An ephemeral server never comes back; one at PREFECT_API_URL may restart,
+    so its retries stay. At a normal exit the server stops after Prefect's workers have flushed."""
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    # imported here, as Prefect does: the server's app takes 1.4 s to import and runs only in ephemeral mode
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # Prefect's one ephemeral server of this process
+    server.start()
+    process = server.server_process
+
+    def retries_off_once_gone() -> None:
+        process.wait()
+        settings.client.max_retries = 0
+
+    threading.Thread(target=retries_off_once_gone, name="ephemeral-api-watch", daemon=True).start()
+
+
+def signal_behind(exc: BaseException) -> int | None:
+    """The signal that the chain of exceptions ending in `exc` started from (Prefect's TerminationSignal for
+    SIGTERM, KeyboardInterrupt for SIGINT), or None: Prefect reports a signal's Crashed state while handling
+    it, so an API error doing that arrives with the signal in its context."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, TerminationSignal):
+            return current.signal
+        if isinstance(current, KeyboardInterrupt):
+            return signal.SIGINT
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
 def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
          describe: Callable[[Any], str] | None = None) -> int:
     """Run `flow` with parameters from `argv`; print its JSON result, or `describe(result)` when given (the
@@ -82,9 +135,23 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
         print(f"error: {exc}", file=sys.stderr)
         return 2
     startup = max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), EPHEMERAL_STARTUP_TIMEOUT_S)
+    # as `make run`: no telemetry from the ephemeral API server (its heartbeat logged "database is locked" and
+    # "Failed to send telemetry" tracebacks into a plain `slime pipeline`; the machines here have no network)
+    updates = {PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup, PREFECT_SERVER_ANALYTICS_ENABLED: False}
     with (sigterm_as_exit(),  # SIGTERM still runs every finally and atexit hook (API server, engines, Ray)
-          temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: startup})):
-        state = flow(**params, return_state=True)
+          temporary_settings(updates=updates) as settings):
+        watch_ephemeral_api(settings)
+        try:
+            state = flow(**params, return_state=True)
+        except Exception as exc:
+            signum = signal_behind(exc)
+            if signum is None:
+                raise
+            # the API server went with the signal (sent to the process group): what the stage committed
+            # stands, but Prefect could not record the flow runs' ends
+            print(f"stopped by {signal.Signals(signum).name}; the Prefect API server was gone, so the flow runs' "
+                  f"final states are not recorded ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return 128 + signum
     flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
     try:
         result = state.result()  # the flow's own exception, re-raised

@@ -137,9 +137,10 @@ def describe(results: dict[str, dict[str, Any]]) -> str:
                 lines.append(f"  {name:<20} {dataset}: {shown}   {metrics['checkpoint']}")
     if "rl" in results:
         m = results["rl"]["metrics"]
+        overhead = m.get("prefect_s_per_iteration")  # none when `slime rl` made the stage
+        overhead = "" if overhead is None else f", Prefect overhead {overhead} s/iteration"
         lines.append(f"\nrl: iterations {m['start_rollout_id']}..{m['num_rollout'] - 1}, last reward mean "
-                     f"{m['reward_mean_last']}, Prefect overhead {m['prefect_s_per_iteration']} s/iteration, "
-                     f"metrics {m['metrics_uri']}")
+                     f"{m['reward_mean_last']}{overhead}, metrics {m['metrics_uri']}")
     if "export" in results:
         lines.append(f"exported HF model: {results['export']['artifacts']['hf_model']['uri']} "
                      "(transformers.AutoModelForCausalLM.from_pretrained loads it)")

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import yaml
@@ -86,21 +87,34 @@ def _datasets_make_tiny(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _stage(run: str, stage: str) -> Callable[[argparse.Namespace, list[str]], int]:
     """A handler that loads the config (file + overrides), prepares the run (kit, outputs under
-    {store}/{run_id}, inputs checked: slime.preflight), holds the run's lease, runs one library stage and
-    prints its result."""
+    {store}/{run_id}, inputs checked: slime.preflight), holds the run's lease, asks the stage's record whether
+    it is done with these settings (slime/stages/record.py: reused, resumed, or refused on other settings), runs
+    one library stage, records it and prints its result."""
 
     def handler(args: argparse.Namespace, overrides: list[str]) -> int:
         import importlib
 
         from slime.config import load_config
         from slime.preflight import prepare_run
+        from slime.stages.definitions import DEFINITIONS, summarize
+        from slime.stages.record import begin_stage
         from slime.storage.lease import hold_stage
 
         module, function = run.rsplit(".", 1)
         config = prepare_run(load_config(args.config, overrides), stage)
         stage_function = getattr(importlib.import_module(module), function)
+        definition = DEFINITIONS.get(stage)  # evaluate: its result directory is named by its settings
         with hold_stage(config, stage, watch=bool(config.eval.eval_watch_run)):
+            start = begin_stage(definition, config) if definition is not None else None
+            if start is not None and start.reused is not None:
+                print(json.dumps({**start.reused, "reused": True, "record": start.record_uri}, indent=1,
+                                 sort_keys=True))
+                return 0
+            started = time.perf_counter()
             result = stage_function(config)
+            if start is not None:
+                seconds = {stage: round(time.perf_counter() - started, 3)}
+                start.finish({**summarize(stage, result, config.run.storage_options), "seconds": seconds})
         print(json.dumps(result, indent=1, sort_keys=True))
         return 0
 

@@ -84,6 +84,10 @@ class RunConfig(_Section):
     run_id: str | None = Field(None, description="run directory under the store; reuse it to resume (letters, "
                                                  "digits, '.', '_', '-'; no '/' or '..')")
     seed: int = Field(1234, description="global seed (Megatron, data order, sampling)")
+    overwrite: bool = Field(False, description="consent to move aside (never delete) a stage output of this run that "
+                                               "was made with other settings, and run the stage again; without it "
+                                               "such an output is refused, naming the differing fields "
+                                               "(slime/stages/record.py)")
     use_tensorboard: bool = Field(False, description="`slime rl`: also write step metrics to TensorBoard (needs the "
                                                      "tensorboard package)")
     tensorboard_dir: str | None = Field(None, description="local TensorBoard log dir; None: {store}/{run_id}/rl/"

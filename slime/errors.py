@@ -13,6 +13,11 @@ class ConfigError(SlimeError, ValueError):
     """The configuration (YAML file or CLI override) is invalid."""
 
 
+class StageSettingsMismatch(ConfigError):
+    """A stage's output was made with other settings (config values, input contents) than the run asks for;
+    the message names each differing field and the ways out (a new run id, or --overwrite)."""
+
+
 class DataFormatError(SlimeError, ValueError):
     """A data file (prompt JSONL/Parquet, sample dict) is malformed or lacks a required field."""
 

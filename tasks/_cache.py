@@ -1,11 +1,11 @@
-"""Stage caching: what a stage's cache key is made of, and where its results are persisted.
+"""Stage caching: what a stage task's Prefect cache key is made of, and where its results are persisted.
 
-DESIGN.md §6: a stage whose outputs are committed is never recomputed for the same inputs. The key
-of a stage task is the hash of
+Whether a stage is done is decided by the record beside its output (slime/stages/record.py), for the flows and
+`slime <stage>` alike; this cache sits on top of it so that Prefect replays a stored task result without
+running the task body. The key of a stage task is the hash of
 
-* the config fields the stage reads (not the whole config: an RL knob must not re-run SFT),
-* every input artifact's content: the manifest hash of a committed artifact, else a fingerprint of
-  the files (sha256 of each file up to 64 MiB, size and mtime of larger ones),
+* the config values that define the stage's artifact (slime/stages/definitions.py; evaluate: its own fields),
+* every input artifact's content: the manifest hash of a committed artifact, else a fingerprint of the files,
 * the output location (`{store}/{run_id}/{stage}/...`: a new run id is a new run),
 * the code version: slime's version, the source of the slime stage module and of the task.
 
@@ -32,51 +32,19 @@ from prefect.results import ResultStore
 
 import slime
 from slime.config import Config, stable_hash
-from slime.data.prompts import parse_data_path
 from slime.errors import NotCommittedError, StorageError
-from slime.storage import is_committed, manifest_hash, read_manifest
-from slime.storage.fs import join_uri, normalize_uri, open_fs
-from slime.storage.manifest import verify_files
+from slime.stages.record import StageDefinition, artifact_fingerprint, artifact_problems, config_values
+from slime.storage.fs import join_uri, normalize_uri
 
 logger = logging.getLogger(__name__)
 
 RESULTS_DIR = ".prefect-results"  # under the run directory; a leading dot can never be a stage name
-CONTENT_HASH_LIMIT = 64 * 1024**2  # larger uncommitted files are fingerprinted by size and mtime
 MAX_SUPERSEDED = 64
 
 
-def config_fingerprint(config: Config, fields: tuple[str, ...]) -> str:
-    """Hash of the selected config values: `section` for a whole section, `section.field` for one field."""
-    dump = config.model_dump(mode="json")
-    payload = {}
-    for selector in fields:
-        section, _, name = selector.partition(".")
-        payload[selector] = dump[section][name] if name else dump[section]
-    return stable_hash(payload)
-
-
-def artifact_fingerprint(uri: str, storage_options: dict[str, Any] | None = None, missing_ok: bool = False) -> str:
-    """Content identity of an input: `manifest:<hash>` when committed, else `files:<hash>` of its files.
-
-    A `path@[a:b]` row slice is stripped here (the slice itself is part of the URI, which the key
-    holds too). When nothing is at `uri`: "missing" if `missing_ok`, else NotCommittedError.
-    """
-    path, _ = parse_data_path(uri)
-    if is_committed(path, storage_options):
-        return f"manifest:{manifest_hash(path, storage_options)}"
-    fs, root = open_fs(path, storage_options)
-    if not fs.exists(root):
-        if missing_ok:
-            return "missing"
-        raise NotCommittedError(f"stage input {uri} does not exist")
-    digest = hashlib.sha256()
-    for name, info in sorted(fs.find(root, detail=True).items()):
-        digest.update(f"{name[len(root):]}\0{info['size']}\0".encode())
-        if info["size"] <= CONTENT_HASH_LIMIT:
-            digest.update(hashlib.sha256(fs.cat_file(name)).digest())
-        else:
-            digest.update(str(info.get("mtime", info.get("LastModified", ""))).encode())
-    return f"files:{digest.hexdigest()}"
+def config_fingerprint(config: Config, fields: tuple[str, ...], left_out: tuple[str, ...] = ()) -> str:
+    """Hash of the selected config values (slime.stages.record.config_values: `section` or `section.field`)."""
+    return stable_hash(config_values(config, fields, left_out))
 
 
 def code_version(modules: tuple[str, ...]) -> dict[str, str]:
@@ -91,11 +59,12 @@ def code_version(modules: tuple[str, ...]) -> dict[str, str]:
 
 
 def stage_cache_key(config: Config, config_fields: tuple[str, ...], inputs: dict[str, str], output: str,
-                    code_modules: tuple[str, ...], task_source: str | None = None, missing_ok: bool = False) -> str:
+                    code_modules: tuple[str, ...], task_source: str | None = None, missing_ok: bool = False,
+                    left_out: tuple[str, ...] = ()) -> str:
     """The base cache key of one stage run (before any superseded-result hop)."""
     options = config.run.storage_options
     return stable_hash({
-        "config": config_fingerprint(config, config_fields),
+        "config": config_fingerprint(config, config_fields, left_out),
         "inputs": {role: [uri, artifact_fingerprint(uri, options, missing_ok)] for role, uri in sorted(inputs.items())},
         "output": output,
         "code": code_version(code_modules),
@@ -106,28 +75,6 @@ def stage_cache_key(config: Config, config_fields: tuple[str, ...], inputs: dict
 def superseded_key(key: str) -> str:
     """The key a stage's result moves to when the result stored under `key` is no longer valid."""
     return stable_hash({"superseded": key})
-
-
-def artifact_problems(result: Any, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Why a stored stage result can no longer be reused ([] when every artifact it names is intact)."""
-    if not isinstance(result, dict) or not isinstance(result.get("artifacts"), dict):
-        return [f"not a stage result: {type(result).__name__}"]
-    problems = []
-    for name, artifact in result["artifacts"].items():
-        uri = artifact["uri"]
-        try:
-            current = manifest_hash(uri, storage_options)
-        except NotCommittedError:
-            problems.append(f"{name} {uri}: manifest missing")
-            continue
-        if current != artifact["manifest_hash"]:
-            problems.append(f"{name} {uri}: manifest changed since the result was stored")
-            continue
-        try:
-            problems += verify_files(uri, read_manifest(uri, storage_options), storage_options)
-        except StorageError as exc:
-            problems.append(str(exc))
-    return problems
 
 
 def first_valid_key(store: ResultStore, key: str, storage_options: dict[str, Any] | None = None) -> str:
@@ -152,22 +99,24 @@ class StageCachePolicy(CachePolicy):
 
     config_fields: tuple[str, ...] = ()
     code_modules: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, definition: StageDefinition, code_modules: tuple[str, ...]) -> StageCachePolicy:
+        """The policy keyed on what defines the stage's artifact (slime/stages/definitions.py)."""
+        return cls(config_fields=definition.config_fields, code_modules=code_modules, left_out=definition.left_out)
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any],
                     **kwargs: Any) -> str | None:
         config: Config = inputs["config"]
         try:
             base = stage_cache_key(config, self.config_fields, inputs["inputs"], inputs["output"], self.code_modules,
-                                   task_source=TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters))
+                                   task_source=TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters),
+                                   left_out=self.left_out)
         except NotCommittedError as exc:  # the stage itself fails on it, with its own message
             logger.warning("no cache key (%s): the stage runs and its result is not stored", exc)
             return None
         return first_valid_key(task_ctx.result_store, base, config.run.storage_options)
-
-    def attempt_key(self, config: Config, inputs: dict[str, str], output: str) -> str:
-        """The key of a stage run as its task body sees it (no task source): marks whose output is where.
-        A missing input is part of the key here; the stage then fails on it with its own message."""
-        return stage_cache_key(config, self.config_fields, inputs, output, self.code_modules, missing_ok=True)
 
 
 def result_storage(store: str, storage_options: dict[str, Any] | None = None) -> Path | str:

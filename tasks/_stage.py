@@ -1,23 +1,20 @@
 """What every stage task does around its one slime call: the task decorator, point the config at the
-run's locations, prepare the output location, time the phases and describe the result as JSON."""
+run's locations, ask the stage's record what to do (reuse, resume, start, refuse), time the phases and
+describe the result as JSON."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import task
+from prefect.states import Completed, State
 
 from slime.config import Config
-from slime.errors import StorageError
-from slime.storage import is_committed, read_manifest
-from slime.storage.fs import open_fs
-from slime.storage.manifest import verify_files
+from slime.stages.record import StageDefinition, StageStart, begin_stage
 from tasks._cache import StageCachePolicy
 
 logger = logging.getLogger(__name__)
@@ -40,60 +37,20 @@ def with_fields(config: Config, **dotted: Any) -> Config:
     return Config.model_validate(data)
 
 
-def prepare_output(uri: str, attempt_key: str, storage_options: dict[str, Any] | None = None, *,
-                   resumable: bool = False) -> list[str]:
-    """Make a stage's output location ready for a run; returns what was moved aside.
-
-    A stage only runs when no intact cached result exists, so anything already at `uri` is one of:
-    a failed attempt of this very stage run (same `attempt_key`, recorded in `<uri>.attempt.json`),
-    a stale or corrupt artifact, or the output of other inputs or config. A resumable stage (one that
-    continues from its newest committed checkpoint under `uri`, like SFT) keeps a same-key attempt's
-    checkpoints, newest first down to the first intact one, moving corrupt ones aside. Everything else
-    is moved aside whole. Moved means renamed to `<name>.replaced-<UTC time>`, never deleted.
-    """
-    fs, path = open_fs(uri, storage_options)
-    marker = f"{path}.attempt.json"
-    same_attempt = fs.exists(marker) and json.loads(fs.cat_file(marker)).get("key") == attempt_key
-    moved = []
-    if fs.exists(path):
-        if resumable and same_attempt:
-            for child in sorted(fs.ls(path, detail=False), reverse=True):
-                if not is_committed(child, storage_options):
-                    continue  # uncommitted leftovers are invisible to readers and overwritten by writers
-                if not _problems(child, storage_options):
-                    break
-                moved.append(move_aside(fs, child))
-        else:
-            moved.append(move_aside(fs, path))
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(marker, json.dumps({"key": attempt_key}).encode())
-    return moved
-
-
-def _problems(uri: str, storage_options: dict[str, Any] | None) -> list[str]:
-    try:
-        return verify_files(uri, read_manifest(uri, storage_options), storage_options)
-    except StorageError as exc:
-        return [str(exc)]
-
-
-def move_aside(fs: Any, path: str) -> str:
-    """Rename `path` to `<path>.replaced-<UTC time>` (nothing is deleted); the new path."""
-    aside = f"{path.rstrip('/')}.replaced-{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}"
-    fs.mv(path, aside, recursive=True)
-    logger.warning("moved %s aside to %s", path, aside)
-    return aside
-
-
-def start_stage(cache: StageCachePolicy, config: Config, inputs: dict[str, str], output: str, *,
-                resumable: bool = False) -> Phases:
-    """The phase timer of a stage run, its phase "prepare output" done: `prepare_output` for this
-    attempt (keyed by `cache.attempt_key`)."""
+def start_stage(definition: StageDefinition, config: Config) -> tuple[Phases, StageStart]:
+    """The phase timer of a stage run and what the stage's record decided (slime/stages/record.py): reuse a
+    finished output with these settings, resume or start, or refuse other settings without --overwrite."""
     phases = Phases()
     with phases.time("prepare output"):
-        prepare_output(output, cache.attempt_key(config, inputs, output), config.run.storage_options,
-                       resumable=resumable)
-    return phases
+        start = begin_stage(definition, config)
+    return phases, start
+
+
+def reused(start: StageStart) -> State:
+    """The state of a task whose stage was done already with these settings (committed by any entry point,
+    `slime <stage>` included): Completed, named Cached as a Prefect cache hit is, with the recorded result."""
+    return Completed(name="Cached", data={**start.reused, "record": start.record_uri},
+                     message=f"{start.output} is done with these settings ({start.record_uri}): reused")
 
 
 class Phases:
@@ -118,3 +75,11 @@ def stage_result(stage: str, artifacts: dict[str, tuple[str, str]], metrics: dic
     return {"stage": stage,
             "artifacts": {name: {"uri": uri, "manifest_hash": digest} for name, (uri, digest) in artifacts.items()},
             "metrics": metrics, "seconds": phases.seconds, **extra}
+
+
+def finish_stage(start: StageStart, summary: dict[str, Any], phases: Phases, **extra: Any) -> dict[str, Any]:
+    """The task's result (`summary` from slime.stages.definitions.summarize, with phase times and `extra`),
+    recorded beside the output as done, so that `slime <stage>` and later runs reuse it."""
+    result = {**summary, "seconds": phases.seconds, **extra}
+    start.finish(result)
+    return result

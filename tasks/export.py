@@ -4,25 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect.states import State
+
 from slime.config import Config
+from slime.stages.definitions import EXPORT, summarize
 from slime.stages.export import run_export
 from tasks._cache import StageCachePolicy
-from tasks._stage import stage_result, stage_task, start_stage, with_fields
+from tasks._stage import finish_stage, reused, stage_task, start_stage, with_fields
 
 OUTPUT_NAME = "hf"
-# run_export reads its inputs (checkpoint, optional origin HF dir), its output location and, for a LoRA
-# checkpoint, whether to merge the adapters
-CONFIG_FIELDS: tuple[str, ...] = ("export.merge",)
-
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.export",))
+CACHE = StageCachePolicy.of(EXPORT, code_modules=("slime.stages.export",))
 
 
 @stage_task("export", CACHE)
-def export(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
+def export(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any] | State:
     """Export `inputs["load"]` to `output`; `inputs["origin_hf_dir"]` (optional) supplies config and tokenizer."""
-    phases = start_stage(CACHE, config, inputs, output)
+    run_config = with_fields(config, checkpoint__load=inputs["load"], export__output_dir=output,
+                             export__origin_hf_dir=inputs.get("origin_hf_dir"))
+    phases, start = start_stage(EXPORT, run_config)
+    if start.reused is not None:
+        return reused(start)
     with phases.time("export"):
-        result = run_export(with_fields(config, checkpoint__load=inputs["load"], export__output_dir=output,
-                                        export__origin_hf_dir=inputs.get("origin_hf_dir")))
-    return stage_result("export", {"hf_model": (result["hf_dir"], result["manifest_hash"])},
-                        {"source_checkpoint": result["source_checkpoint"]}, phases)
+        result = run_export(run_config)
+    return finish_stage(start, summarize("export", result, config.run.storage_options), phases)

@@ -4,7 +4,7 @@ The stage task is cached like every stage (config + input manifests + output + c
 ONE `RLLoop` (Ray cluster, rollout manager, train group: long-lived actors) and drives it through small
 per-step tasks - `rollout-0003`, `train-0003`, `save-0003`, `sync-0003`, `eval-0003` - that take the
 loop object, are never cached or persisted (they return small dicts) and never create actors. A re-run
-after a failure continues from the newest committed RL checkpoint of the same attempt (`RLLoop.setup`).
+after a failure continues from the newest committed RL checkpoint of the same settings (`RLLoop.setup`).
 The loop's progress and per-iteration metrics are published as Prefect artifacts while it runs.
 """
 
@@ -17,24 +17,23 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from flows._report import artifact_key
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config
 from slime.errors import NotCommittedError
 from slime.rl import RLLoop, read_metrics
+from slime.stages.definitions import RL
+from slime.stages.record import move_aside
 from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
 from slime.storage.staging import is_remote, newest_committed, staged
 from tasks._cache import StageCachePolicy
-from tasks._stage import Phases, move_aside, stage_result, stage_task, start_stage, with_fields
+from tasks._stage import Phases, finish_stage, reused, stage_task, start_stage, with_fields
 from tasks.evaluate import GPU_TAG
 
 OUTPUT_NAME = "checkpoint"
-# what the trained policy depends on besides the start checkpoint, prompts and tokenizer (inputs);
-# save_interval/eval_interval/use_tensorboard only add checkpoints, evals and logs
-CONFIG_FIELDS = ("rollout", "algorithm", "train", "reward", "sync", "cluster", "engine", "sglang", "megatron",
-                 "data", "eval", "checkpoint.no_save_optim", "run.seed", "lora")
 # headline keys of a step record -> column of the metrics table
 TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref_kl": "ref_kl",
                  "rl/grad_norm": "grad_norm", "rl/entropy": "entropy", "rl/rollout_s": "rollout_s",
@@ -43,7 +42,13 @@ TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref
                  "async/groups/stale_dropped": "stale_dropped", "async/groups/stale_regenerated": "stale_regenerated",
                  "perf/trainer_idle_s": "trainer_idle_s", "perf/engine_idle_s": "engine_idle_s"}
 
-CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.rl.loop",))
+# keyed on what defines the trained policy (slime/stages/definitions.py), as its record is
+# the metrics table artifact, re-published every iteration, stays bounded however long the run: the last
+# TABLE_WINDOW iterations row by row, earlier ones as one summary row per SUMMARY_BLOCK (every row of every
+# iteration each time was n^2/2 rows sent to the Prefect API over a run); the complete log is metrics.jsonl
+TABLE_WINDOW = 50
+SUMMARY_BLOCK = 100
+CACHE = StageCachePolicy.of(RL, code_modules=("slime.rl.loop",))
 STEP = {"cache_policy": NO_CACHE, "persist_result": False, "tags": [GPU_TAG]}
 
 
@@ -95,6 +100,24 @@ def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[st
     return row
 
 
+def table_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows the metrics table artifact shows: one summary row (`iteration` "a-b", the mean of each
+    numeric column) per full SUMMARY_BLOCK of iterations before the last TABLE_WINDOW, then those rows."""
+    recent = rows[-TABLE_WINDOW:]
+    older = rows[:len(rows) - len(recent)]
+    view = []
+    for start in range(0, len(older) - len(older) % SUMMARY_BLOCK, SUMMARY_BLOCK):
+        block = older[start:start + SUMMARY_BLOCK]
+        summary: dict[str, Any] = {"iteration": f"{block[0]['iteration']}-{block[-1]['iteration']}"}
+        for column in block[-1]:
+            values = [r[column] for r in block if isinstance(r.get(column), int | float) and not isinstance(
+                r.get(column), bool)]
+            if column != "iteration" and values:
+                summary[column] = round(sum(values) / len(values), 6)
+        view.append(summary)
+    return view + older[len(older) - len(older) % SUMMARY_BLOCK:] + recent
+
+
 def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], Any] | None = None
           ) -> list[dict[str, Any]]:
     """Every remaining iteration as step tasks, with a progress artifact and the metrics table updated
@@ -142,21 +165,25 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
                     "other %.3f s)", rollout_id, prefect_s, tasks_s, artifacts_s, prefect_s - tasks_s - artifacts_s)
         rows.append(table_row(record, prefect_s))
         t0 = time.perf_counter()
-        create_table_artifact(rows, key=artifact_key(run_id, "rl", "metrics"),
-                              description=f"RL metrics per iteration, run {run_id} (prefect_s: orchestration)")
+        create_table_artifact(table_view(rows), key=artifact_key(run_id, "rl", "metrics"),
+                              description=f"RL metrics per iteration, run {run_id} (prefect_s: orchestration; the last "
+                                          f"{TABLE_WINDOW} iterations, earlier ones averaged per {SUMMARY_BLOCK}; "
+                                          f"every iteration: {loop.metrics_uri})")
         table_s = time.perf_counter() - t0
     return rows
 
 
 @stage_task("rl", CACHE)
-def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any]:
+def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict[str, Any] | State:
     """RL from `inputs["load"]` on `inputs["prompt_data"]` (tokenizer/engines: `inputs["hf_checkpoint"]`).
 
-    `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same attempt.
+    `output` is the checkpoint save root; resumes from its newest committed checkpoint of the same settings.
     """
-    phases = start_stage(CACHE, config, inputs, output, resumable=True)
     run_config = with_fields(config, checkpoint__load=inputs["load"], checkpoint__save=output,
                              checkpoint__hf_checkpoint=inputs["hf_checkpoint"], data__prompt_data=inputs["prompt_data"])
+    phases, start = start_stage(RL, run_config)
+    if start.reused is not None:
+        return reused(start)
     with staged(run_config) as (local, staging):  # checkpoints in a remote store: local copies, uploaded after
         with phases.time("prepare output"):
             if latest_checkpoint(local.checkpoint.save) is None:
@@ -183,8 +210,8 @@ def rl(config: Config, run_id: str, inputs: dict[str, str], output: str) -> dict
                "prefect_s_per_iteration": _mean([r["prefect_s"] for r in rows if "prefect_s" in r])}
     # LoRA: rank, trainable / total parameters and peak memory of the train rank (docs/lora.md)
     metrics.update({key.replace("/", "_"): value for key, value in last.items() if key.startswith("lora/")})
-    return stage_result("rl", {"checkpoint": (checkpoint, manifest_hash(checkpoint, config.run.storage_options))},
-                        metrics, phases, rows=rows)
+    artifacts = {"checkpoint": {"uri": checkpoint, "manifest_hash": manifest_hash(checkpoint, config.run.storage_options)}}
+    return finish_stage(start, {"stage": "rl", "artifacts": artifacts, "metrics": metrics}, phases, rows=rows)
 
 
 def set_aside_step_outputs(config: Config, run_id: str) -> list[str]:

@@ -17,11 +17,13 @@ checkpoint, model only) when given, else from the HF checkpoint. That start is a
 
 Checkpoints: every `sft_save_interval` optimizer steps and at the end, the full training state (model,
 optimizer, scheduler, RNG, loss curve) is committed as iteration N = steps done under `--save`
-(`--no-save-optim`: the model only). When `--save` already holds committed SFT checkpoints, the stage
-resumes from the newest at the exact next step (same data order: the epoch orders are replayed from
+(`--no-save-optim`: the model only). Whether `--save` may be resumed is decided first by its record
+(slime/stages/record.py: same settings, or refused naming the fields); then the stage resumes from the
+newest committed checkpoint at the exact next step (same data order: the epoch orders are replayed from
 the seed), so an interrupted SFT ends with the weights an uninterrupted one would have; a `--save`
-that holds the final iteration returns it without training. A resume with other data, batch size, seed or
-number of steps is refused, naming the field; so is one from a model-only (`--no-save-optim`) checkpoint.
+that holds the final iteration returns it without training. The data plan in the checkpoint is checked
+again here (data, batch size, seed, number of steps), and a resume from a model-only (`--no-save-optim`)
+checkpoint is refused.
 Not yet: data parallelism (one rank).
 """
 

@@ -73,15 +73,14 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
 
 @pytest.mark.slow  # ~90 s on 2 loaded cores; the bit-exact LoRA resume of test_checkpoint_resume.py runs in CI
 def test_interrupted_lora_sft_resumes_to_the_same_adapters(tiny_kit, tmp_path):
-    from test_sft_stage import model_weights
+    from test_sft_stage import model_weights, stopped_copy
 
     flags = ["sft", "--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
              "--global-batch-size", "16", "--micro-batch-size", "16", "--sft-lr", "1e-2", "--sft-num-epoch", "2",
              "--sft-save-interval", "3", "--lora-dropout", "0.1", *LORA]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run(*flags, "--save", str(whole))
-    cut.mkdir()
-    shutil.copytree(whole / "iter_0000003", cut / "iter_0000003")  # a run stopped right after its step-3 save
+    stopped_copy(whole, cut, 3)  # a run stopped right after its step-3 save
     resumed = run(*flags, "--save", str(cut))
     assert resumed["resumed_from"] == str(cut / "iter_0000003")
     final_whole, final_cut = model_weights(whole / "iter_0000004"), model_weights(cut / "iter_0000004")

@@ -50,6 +50,15 @@ def run_sft(*flags: str) -> dict:
     return json.loads(result.stdout[result.stdout.index("{"):])
 
 
+def stopped_copy(whole: Path, cut: Path, step: int) -> None:
+    """`cut` as the --save of a run that stopped right after its step-`step` save: that checkpoint, and the
+    record of an SFT started with the same settings (slime/stages/record.py)."""
+    cut.mkdir()
+    shutil.copytree(whole / f"iter_{step:07d}", cut / f"iter_{step:07d}")
+    record = json.loads(Path(f"{whole}.stage.json").read_text())
+    Path(f"{cut}.stage.json").write_text(json.dumps({**record, "status": "started", "result": None}))
+
+
 def model_weights(checkpoint: Path) -> dict:
     """The model tensors of a torch_dist checkpoint, read with torch's own DCP reader."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -69,9 +78,7 @@ def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
     uninterrupted = run_sft(*flags, "--save", str(whole))
     assert uninterrupted["steps"] == 4 and uninterrupted["resumed_from"] is None
     assert sorted(p.name for p in whole.iterdir()) == ["iter_0000003", "iter_0000004"]
-    # a run that stopped right after its step-3 save: only that checkpoint is in its --save directory
-    cut.mkdir()
-    shutil.copytree(whole / "iter_0000003", cut / "iter_0000003")
+    stopped_copy(whole, cut, 3)  # a run that stopped right after its step-3 save
     resumed = run_sft(*flags, "--save", str(cut))
     assert resumed["resumed_from"] == str(cut / "iter_0000003")
     final_whole, final_cut = model_weights(whole / "iter_0000004"), model_weights(cut / "iter_0000004")
@@ -82,19 +89,21 @@ def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
     manifest = json.loads((cut / "iter_0000004" / "manifest.json").read_text())
     assert manifest["metadata"]["sft_losses"] == json.loads(
         (whole / "iter_0000004" / "manifest.json").read_text())["metadata"]["sft_losses"]
-    # run again on a finished --save: nothing to train, the same checkpoint
+    # run again on a finished --save: nothing to train, the same checkpoint (its record says so)
     again = run_sft(*flags, "--save", str(cut))
-    assert again["checkpoint"] == resumed["checkpoint"] and again["manifest_hash"] == resumed["manifest_hash"]
+    assert again["reused"] is True and again["record"] == f"{cut}.stage.json"
+    assert again["artifacts"]["checkpoint"] == {"uri": resumed["checkpoint"], "manifest_hash": resumed["manifest_hash"]}
 
 
-def test_sft_refuses_to_resume_with_another_data_plan(tiny_kit, tmp_path):
+def test_sft_refuses_to_continue_with_other_data(tiny_kit, tmp_path):
     flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--micro-batch-size", "8", "--lr", "3e-3",
              "--save", str(tmp_path / "s"), "--sft-save-interval", "1"]
     run_sft(*flags, "--sft-data", f"{tiny_kit.sft}@[0:8]", "--global-batch-size", "8")
     result = subprocess.run([SLIME, "sft", *flags, "--sft-data", f"{tiny_kit.sft}@[0:16]", "--global-batch-size", "8"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "cannot resume SFT: num_conversations was 8, now 16" in result.stderr
+    assert f"input sft_data: other content ({tiny_kit.sft}@[0:8] -> {tiny_kit.sft}@[0:16])" in result.stderr
+    assert "--overwrite" in result.stderr and (tmp_path / "s" / "iter_0000001").is_dir()
 
 
 def test_sft_with_no_save_optim_cannot_resume_mid_way(tiny_kit, tmp_path):
@@ -106,9 +115,9 @@ def test_sft_with_no_save_optim_cannot_resume_mid_way(tiny_kit, tmp_path):
     assert manifest["metadata"]["training_state"] is False
     assert not (tmp_path / "whole" / "iter_0000001" / "optimizer").exists()
     # a finished SFT is not trained again, even from model-only checkpoints
-    assert run_sft(*flags, "--save", str(tmp_path / "whole"))["manifest_hash"] == done["manifest_hash"]
-    (tmp_path / "cut").mkdir()
-    shutil.copytree(tmp_path / "whole" / "iter_0000001", tmp_path / "cut" / "iter_0000001")
+    again = run_sft(*flags, "--save", str(tmp_path / "whole"))
+    assert again["reused"] is True and again["artifacts"]["checkpoint"]["manifest_hash"] == done["manifest_hash"]
+    stopped_copy(tmp_path / "whole", tmp_path / "cut", 1)
     result = subprocess.run([SLIME, "sft", *flags, "--save", str(tmp_path / "cut")], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 2, result.stderr[-2000:]

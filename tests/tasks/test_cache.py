@@ -8,12 +8,11 @@ from prefect.results import ResultStore
 from prefect.serializers import JSONSerializer
 
 from slime.errors import NotCommittedError
+from slime.stages.definitions import SFT
+from slime.stages.record import artifact_fingerprint, artifact_problems
 from slime.storage import commit_directory, manifest_hash
-from tasks import sft as sft_task
 from tasks._cache import (
     RESULTS_DIR,
-    artifact_fingerprint,
-    artifact_problems,
     first_valid_key,
     result_storage,
     stage_cache_key,
@@ -30,7 +29,8 @@ def committed_dir(path, content: bytes):
 
 
 def sft_key(config, inputs, output="/store/r/sft/checkpoint"):
-    return stage_cache_key(config, sft_task.CONFIG_FIELDS, inputs, output, ("slime.stages.sft",), task_source="src")
+    return stage_cache_key(config, SFT.config_fields, inputs, output, ("slime.stages.sft",), task_source="src",
+                           left_out=SFT.left_out)
 
 
 @pytest.fixture

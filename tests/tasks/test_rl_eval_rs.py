@@ -15,7 +15,7 @@ from slime.storage import is_committed, manifest_hash, read_samples
 from tasks._stage import with_fields
 from tasks.evaluate import evaluate
 from tasks.rejection_sampling import rejection_sampling
-from tasks.rl import table_row
+from tasks.rl import SUMMARY_BLOCK, TABLE_WINDOW, table_row, table_view
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,10 @@ def test_evaluate_writes_where_the_plan_says_and_refuses_another_output(small, t
     assert set(inputs) == {"load", "eval_data_arithmetic"}
     with pytest.raises(RuntimeError, match="planned"):
         evaluate.fn(small, "r", inputs, str(tmp_path / "elsewhere"))
-    result = evaluate.fn(small, "r", inputs, planned)
+    outcome = evaluate.fn(small, "r", inputs, planned)
+    # the refused call had evaluated (and committed) already: its result is reused, shown as Prefect's cache hits
+    assert outcome.name == "Cached" and outcome.is_completed() and "reused" in outcome.message
+    result = outcome.data
     (name, artifact), = result["artifacts"].items()
     assert name == "eval_result" and artifact["uri"] == planned and is_committed(planned)
     figures = result["metrics"]["datasets"]["arithmetic"]
@@ -104,3 +107,16 @@ def test_a_fresh_rl_start_moves_the_earlier_attempts_step_outputs_aside(kit_conf
     assert not (tmp_path / "r" / "rollout").exists() and not (tmp_path / "r" / "eval").exists()
     assert not (tmp_path / "r" / "rl" / "metrics.jsonl").exists() and (tmp_path / "r" / "rl").is_dir()
     assert set_aside_step_outputs(config, "r") == []  # nothing left: nothing moved
+
+
+def test_the_metrics_table_stays_bounded_however_long_the_run():
+    rows = [{"iteration": i, "weight_version": i + 1, "reward_mean": i % 2, "ppo_kl": None, "staleness": None}
+            for i in range(3000)]
+    view = table_view(rows)
+    assert len(view) == (3000 - TABLE_WINDOW) // SUMMARY_BLOCK + (3000 - TABLE_WINDOW) % SUMMARY_BLOCK + TABLE_WINDOW
+    assert len(view) < 150 and view[-TABLE_WINDOW:] == rows[-TABLE_WINDOW:]  # the recent ones row by row
+    assert view[0] == {"iteration": "0-99", "weight_version": 50.5, "reward_mean": 0.5}  # averaged, Nones dropped
+    # the iterations between the last full block and the window stay row by row: nothing is left out
+    shown = [r["iteration"] for r in view if isinstance(r["iteration"], int)]
+    assert shown == list(range(2900, 3000))
+    assert table_view(rows[:10]) == rows[:10]

@@ -5,10 +5,9 @@ import json
 
 import pytest
 
-from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.errors import ConfigError
-from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
-from tasks._stage import prepare_output, with_fields
+from slime.storage import is_committed, manifest_hash, read_manifest
+from tasks._stage import with_fields
 from tasks.convert import convert
 from tasks.export import export
 from tasks.sft import sft
@@ -40,37 +39,6 @@ def test_export_task_commits_an_hf_model_and_names_a_bad_origin(kit_config, conv
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(hf["uri"]).config.vocab_size == 384
-
-
-def committed_iteration(save, step, content=b"weights"):
-    path = save / f"iter_{step:07d}"
-    path.mkdir(parents=True)
-    (path / "model.bin").write_bytes(content)
-    commit_directory(str(path), "checkpoint")
-    return path
-
-
-def test_prepare_output_moves_other_attempts_aside_whole(tmp_path):
-    out = tmp_path / "export" / "hf"
-    assert prepare_output(str(out), "key-a") == []
-    (out / "half-written").parent.mkdir(parents=True)
-    (out / "half-written").write_text("x")
-    (aside,) = prepare_output(str(out), "key-a")  # not resumable: even the same attempt starts clean
-    assert not out.exists() and aside.startswith(f"{out}.replaced-")
-    assert (tmp_path / "export" / aside.rsplit("/", 1)[-1] / "half-written").read_text() == "x"
-
-
-def test_prepare_output_keeps_a_resumable_attempts_intact_checkpoints(tmp_path):
-    save = tmp_path / "sft" / "checkpoint"
-    prepare_output(str(save), "key-a", resumable=True)
-    committed_iteration(save, 2)
-    newest = committed_iteration(save, 4)
-    (newest / "model.bin").write_bytes(b"wrecked")  # same size, other bytes: fails verification
-    (moved,) = prepare_output(str(save), "key-a", resumable=True)
-    assert moved.startswith(f"{newest}.replaced-") and latest_checkpoint(str(save)).endswith("iter_0000002")
-    # another config or input: the old checkpoints must not be resumed from
-    (moved,) = prepare_output(str(save), "key-b", resumable=True)
-    assert moved.startswith(f"{save}.replaced-") and not save.exists()
 
 
 def test_sft_rerun_of_a_failed_attempt_resumes_from_its_checkpoint(kit_config, converted, tmp_path):
