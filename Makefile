@@ -15,9 +15,11 @@ KIT ?= runs/tiny-kit
 ifeq ($(origin RUN_ID), undefined)
 RUN_ID := run-$(shell date +%Y%m%d-%H%M%S)
 endif
-# Prefect for `make run`: its own home under runs/, a start-up timeout that suits a loaded machine
-# (the ephemeral server takes 25-46 s here), no telemetry, slime's and the tasks' logs in the run log
-PREFECT_ENV := PREFECT_HOME=$(CURDIR)/runs/.prefect PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180 \
+# Prefect for `make run` and `make serve`: its own home under runs/ (`make serve PREFECT_HOME=...` for another),
+# a start-up timeout that suits a loaded machine (the ephemeral server takes 25-46 s here), no telemetry,
+# slime's and the tasks' logs in the run log
+PREFECT_HOME := $(CURDIR)/runs/.prefect
+PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=180 \
 	PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 PREFECT_LOGGING_EXTRA_LOGGERS=slime,tasks
 CONFIG ?= deployments/tiny-cpu.yaml
 PYTEST_ARGS ?=
@@ -44,25 +46,16 @@ run: $(STAMP)
 	@echo "done: artifacts in runs/$(RUN_ID)/<stage>/ (Prefect stage results in runs/$(RUN_ID)/.prefect-results);" \
 	      "same run again (reuses every completed stage): make run RUN_ID=$(RUN_ID)"
 
-# A local Prefect server (http://127.0.0.1:$(PORT), run history in runs/.prefect), the process work pool
-# slime-local, the slime-gpu tag limit and every deployment of prefect.yaml, then a worker in the
-# foreground. Ctrl-C twice stops the worker (here the first one alone did not end it within 80 s);
-# the server, in its own session, is then stopped by its PID. In another shell:
+# A local Prefect server (http://127.0.0.1:$(PORT), run history and server log in $(PREFECT_HOME)), every work
+# pool of prefect.yaml (slime-local, slime-gpu, slime-cpu: process pools, created when missing), the slime-gpu
+# tag limit, every deployment of prefect.yaml, then a worker of slime-local in the foreground: flows/serve.py.
+# slime-gpu and slime-cpu need their own worker elsewhere (docs/prefect-workers.md). One Ctrl-C stops the
+# worker, then the server. In another shell:
 #   export PREFECT_API_URL=http://127.0.0.1:4200/api
 #   .venv/bin/prefect deployment run 'post-training/tiny-cpu' --watch
 PORT ?= 4200
 serve: $(STAMP)
-	@set -e; mkdir -p runs; export $(PREFECT_ENV) PREFECT_API_URL=http://127.0.0.1:$(PORT)/api; \
-	setsid $(BIN)/prefect server start --host 127.0.0.1 --port $(PORT) > runs/prefect-server.log 2>&1 & server=$$!; \
-	trap 'kill -INT $$server 2>/dev/null; wait $$server 2>/dev/null' EXIT; \
-	echo "prefect server (pid $$server) starting, log runs/prefect-server.log"; \
-	until $(BIN)/python -c "import httpx; httpx.get('http://127.0.0.1:$(PORT)/api/health').raise_for_status()" 2>/dev/null; do \
-	  kill -0 $$server 2>/dev/null || { echo "prefect server exited: see runs/prefect-server.log"; exit 1; }; sleep 2; done; \
-	$(BIN)/prefect work-pool inspect slime-local > /dev/null 2>&1 || $(BIN)/prefect work-pool create slime-local --type process; \
-	$(BIN)/prefect concurrency-limit inspect slime-gpu > /dev/null 2>&1 || $(BIN)/prefect concurrency-limit create slime-gpu 1; \
-	$(BIN)/prefect deploy --all --no-prompt; \
-	echo "UI: http://127.0.0.1:$(PORT)  (PREFECT_API_URL=http://127.0.0.1:$(PORT)/api)"; \
-	$(BIN)/prefect worker start --pool slime-local
+	@exec env $(PREFECT_ENV) $(BIN)/python -m flows.serve --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
