@@ -8,7 +8,7 @@ Without `--model` it evaluates the run's newest committed checkpoint of `rl`, el
 table. With `eval_watch_run` it evaluates the newest committed checkpoint of that run (results under that
 run unless `run_id` says otherwise) and skips, without starting engines, when there is none yet or it was
 evaluated with this config already. The task carries the tag `slime-gpu`: with
-`prefect concurrency-limit create slime-gpu 1` a scheduled eval waits while RL steps hold the GPUs.
+`prefect concurrency-limit create slime-gpu 1` a scheduled eval waits while an RL iteration holds the GPUs.
 Artifacts: `<run>-evaluate-report` (markdown per evaluated checkpoint, the last one wins the key) and
 `<run>-evaluate-results` (table: checkpoint, dataset, mean reward, pass@k, ...).
 """

@@ -4,7 +4,7 @@ and deployment of prefect.yaml, and a worker of the local pool, until one Ctrl-C
 1. `prefect server start --host 127.0.0.1 --port P` in its own session, log $PREFECT_HOME/prefect-server.log;
    wait for /api/health
 2. the work pools of prefect.yaml's `definitions.work_pools` (process pools), each created when missing, and
-   the `slime-gpu` task-tag concurrency limit (1: a scheduled eval waits while RL steps hold the GPUs)
+   the `slime-gpu` task-tag concurrency limit (1: a scheduled eval waits while an RL iteration holds the GPUs)
 3. `prefect deploy --all --no-prompt` from the project root
 4. `prefect worker start --pool slime-local` in its own session, its output here; the other pools need
    their own worker where their work runs (the pool's description says where; docs/prefect-workers.md)
@@ -45,7 +45,7 @@ from prefect.workers.process import ProcessWorker
 
 from slime.engines.process import ServerProcess
 from slime.errors import EngineStartError
-from tasks.evaluate import GPU_TAG  # the tag of the RL step tasks and the eval task
+from tasks.evaluate import GPU_TAG  # the eval task's tag, whose slot each RL iteration holds
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ROOT / "prefect.yaml"

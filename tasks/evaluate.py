@@ -19,7 +19,7 @@ from tasks._stage import Phases, stage_result, stage_task, with_fields
 # what an eval result depends on besides the checkpoint and the eval datasets (inputs); the same
 # sections as slime.stages.evaluate.eval_settings, whose key also names the output directory
 CONFIG_FIELDS = ("eval", "rollout", "reward", "data", "engine", "sglang", "run.seed")
-# task tag: `prefect concurrency-limit create slime-gpu 1` keeps evals and RL steps off the GPUs at once
+# task tag: `prefect concurrency-limit create slime-gpu 1` keeps evals and RL iterations off the GPUs at once
 GPU_TAG = "slime-gpu"
 
 CACHE = StageCachePolicy(config_fields=CONFIG_FIELDS, code_modules=("slime.stages.evaluate",))

@@ -10,6 +10,8 @@ The loop's progress and per-iteration metrics are published as Prefect artifacts
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +19,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound
 from prefect.states import State
 
 from flows._report import artifact_key
@@ -49,7 +54,10 @@ TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref
 TABLE_WINDOW = 50
 SUMMARY_BLOCK = 100
 CACHE = StageCachePolicy.of(RL, code_modules=("slime.rl.loop",))
-STEP = {"cache_policy": NO_CACHE, "persist_result": False, "tags": [GPU_TAG]}
+# no tags on the step tasks: an RL iteration holds the GPU slot as a whole (gpu_slot)
+STEP = {"cache_policy": NO_CACHE, "persist_result": False}
+GPU_LIMIT = f"tag:{GPU_TAG}"  # the limit `prefect concurrency-limit create slime-gpu 1` makes (Prefect 3.8)
+SLOT_LEASE_S = 600  # renewed in the background while an iteration runs
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -100,6 +108,26 @@ def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[st
     return row
 
 
+def gpu_slot() -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """How each RL iteration keeps a scheduled eval off the GPUs: one slot of the `slime-gpu` tag limit held
+    for the whole iteration when that limit exists (the eval task carries the tag, so it runs between
+    iterations or after the loop); nothing when it does not (`make run`'s ephemeral API, a server without it).
+
+    Why not a tag on each step task, as before: Prefect asks the API for a slot lease and releases it for
+    every task run with a tag, limit or not; with five tagged step tasks that was ten writes an iteration,
+    and on SQLite one of them now and then found the database locked: 503, and Prefect's client retries 2 s
+    later (bench/orchestration.py: 1.8-2.4 s stalls in 2% of iterations on CPU; 7 of 20 iterations of the
+    GPU pipeline stalled ~2 s).
+    """
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            return contextlib.nullcontext
+    get_run_logger().info("each RL iteration holds a slot of %s (scheduled evals wait for it)", GPU_LIMIT)
+    return functools.partial(concurrency, [GPU_LIMIT], occupy=1, lease_duration=SLOT_LEASE_S)
+
+
 def table_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows the metrics table artifact shows: one summary row (`iteration` "a-b", the mean of each
     numeric column) per full SUMMARY_BLOCK of iterations before the last TABLE_WINDOW, then those rows."""
@@ -128,6 +156,7 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
     rows = [table_row(r) for i, r in sorted(read_metrics(loop.metrics_uri, loop.store.storage_options).items())
             if i < loop.start_rollout_id]  # iterations of an earlier attempt, kept by the resume
     table_s = 0.0  # the previous iteration's table artifact, counted in this iteration's prefect_s
+    slot = gpu_slot()
     for rollout_id in range(loop.start_rollout_id, loop.num_rollout):
         started, inside, tasks_s = time.perf_counter(), 0.0, 0.0
 
@@ -141,20 +170,21 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
             tasks_s += spent - result["step_s"]
             return result
 
-        if loop.eval_due(rollout_id, before_train=True):
-            step("eval", eval_step, loop, rollout_id, before_train=True)
-        rollout = step("rollout", rollout_step, loop, rollout_id)
-        step("train", train_step, loop, rollout_id, rollout["uri"])
-        if loop.save_due(rollout_id):
-            step("save", save_step, loop, rollout_id)
-            if after_save is not None:
-                after_save()
-        step("sync", sync_step, loop, rollout_id)
-        if loop.eval_due(rollout_id):
-            step("eval", eval_step, loop, rollout_id)
-        t0 = time.perf_counter()
-        record = loop.log_step(rollout_id)
-        inside += time.perf_counter() - t0  # the loop's own bookkeeping, not Prefect's
+        with slot():  # the GPUs for this iteration (scheduled evals wait)
+            if loop.eval_due(rollout_id, before_train=True):
+                step("eval", eval_step, loop, rollout_id, before_train=True)
+            rollout = step("rollout", rollout_step, loop, rollout_id)
+            step("train", train_step, loop, rollout_id, rollout["uri"])
+            if loop.save_due(rollout_id):
+                step("save", save_step, loop, rollout_id)
+                if after_save is not None:
+                    after_save()
+            step("sync", sync_step, loop, rollout_id)
+            if loop.eval_due(rollout_id):
+                step("eval", eval_step, loop, rollout_id)
+            t0 = time.perf_counter()
+            record = loop.log_step(rollout_id)
+            inside += time.perf_counter() - t0  # the loop's own bookkeeping, not Prefect's
         t0 = time.perf_counter()
         done = (rollout_id + 1) / loop.num_rollout
         update_progress_artifact(progress, 100.0 * done,

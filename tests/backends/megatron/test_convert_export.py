@@ -64,9 +64,16 @@ def test_cli_convert_and_export_with_manifests(tiny_kit, tmp_path):
     assert manifest["metadata"]["origin_hf_dir"] == str(tiny_kit.model_dir)
     assert any(f["path"].startswith("model/") for f in manifest["files"])
 
+    # the same conversion again: done already (its record says so), nothing rewritten
     again = subprocess.run([SLIME, "convert", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", str(ckpt)],
                            capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "already a committed checkpoint" in again.stderr
+    assert again.returncode == 0, again.stderr[-2000:]
+    reused = json.loads(again.stdout[again.stdout.index("{"):])
+    assert reused["reused"] is True and reused["artifacts"]["checkpoint"]["uri"] == result["checkpoint"]
+    # another one into the same place: refused, naming the setting
+    other = subprocess.run([SLIME, "convert", "--hf-checkpoint", str(tiny_kit.model_dir), "--save", str(ckpt),
+                            "--seed", "7"], capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "run.seed: 1234 -> 7" in other.stderr, other.stderr[-2000:]
 
     export = subprocess.run([SLIME, "export", "--load", str(ckpt), "--output-dir", str(out)],
                             capture_output=True, text=True, timeout=300)
