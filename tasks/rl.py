@@ -53,6 +53,10 @@ TABLE_COLUMNS = {"rl/reward_mean": "reward_mean", "rl/ppo_kl": "ppo_kl", "rl/ref
 # iteration each time was n^2/2 rows sent to the Prefect API over a run); the complete log is metrics.jsonl
 TABLE_WINDOW = 50
 SUMMARY_BLOCK = 100
+# and it is re-published every TABLE_EVERY iterations and after the last (each publication is a new version
+# stored whole by the server: 3,000 per-iteration versions were 129 MB of its database; the progress artifact,
+# updated in place, moves every iteration)
+TABLE_EVERY = 10
 CACHE = StageCachePolicy.of(RL, code_modules=("slime.rl.loop",))
 # no tags on the step tasks: an RL iteration holds the GPU slot as a whole (gpu_slot)
 STEP = {"cache_policy": NO_CACHE, "persist_result": False}
@@ -194,6 +198,9 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
         get_run_logger().info("iteration %d: Prefect %.3f s (task calls beyond their steps %.3f s, artifacts %.3f s, "
                     "other %.3f s)", rollout_id, prefect_s, tasks_s, artifacts_s, prefect_s - tasks_s - artifacts_s)
         rows.append(table_row(record, prefect_s))
+        table_s = 0.0
+        if (rollout_id + 1) % TABLE_EVERY and rollout_id + 1 < loop.num_rollout:
+            continue
         t0 = time.perf_counter()
         create_table_artifact(table_view(rows), key=artifact_key(run_id, "rl", "metrics"),
                               description=f"RL metrics per iteration, run {run_id} (prefect_s: orchestration; the last "
