@@ -70,6 +70,7 @@ RL = StageDefinition(
     left_out=("data.prompt_data", *_ENGINE_ADDRESSES),
     required=("checkpoint.hf_checkpoint", "run.run_id", "checkpoint.save"),
     resumable=True,
+    extendable=("rollout.num_rollout",),  # more iterations continue a finished or stopped run
 )
 
 EXPORT = StageDefinition(

@@ -28,6 +28,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +57,9 @@ class StageDefinition:
     sections not compared (the ones inputs come from, compared by content; ones that do not change the artifact). `output(config)`: the output
     location. `normalize(config)`: the config as the stage reads it (SFT: `train` with its sft_* overrides).
     `resumable`: a same-settings re-run continues from the newest intact checkpoint under the output.
-    `required`: fields the stage cannot run without, checked before any record is written.
+    `required`: fields the stage cannot run without, checked before any record is written. `extendable`:
+    fields a resumable stage may raise on the same output, continuing from its newest checkpoint (RL's
+    `rollout.num_rollout`: more iterations), every other setting the same.
     """
 
     name: str
@@ -66,6 +69,7 @@ class StageDefinition:
     left_out: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
     resumable: bool = False
+    extendable: tuple[str, ...] = ()
     normalize: Callable[[Config], Config] | None = None
 
     def settings(self, config: Config) -> dict[str, Any]:
@@ -248,6 +252,10 @@ def begin_stage(definition: StageDefinition, config: Config, *, overwrite: bool 
         if exists:
             start.moved = (_keep_intact_checkpoints(fs, path, options) if definition.resumable
                            else [move_aside(fs, path)])
+    elif record is not None and (grown := _extended(definition, record["settings"], start.settings)):
+        logger.info("%s: %s continues with %s", definition.name, output, ", ".join(grown))
+        if exists:
+            start.moved = _keep_intact_checkpoints(fs, path, options)
     elif record is not None and (renewed := _renewed_upstream(record["settings"], start.settings, config)):
         # only inputs that earlier stages of this run committed anew (a re-run SFT): this output is stale by the
         # run's own doing, not by other settings for this stage
@@ -272,6 +280,25 @@ def begin_stage(definition: StageDefinition, config: Config, *, overwrite: bool 
     return start
 
 
+def _extended(definition: StageDefinition, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`field: old -> new` for each extendable field raised, when those are the only differences; [] else."""
+    if not definition.resumable or not definition.extendable:
+        return []
+    grown = []
+    old_cfg, new_cfg = json.loads(json.dumps(old.get("config", {}))), json.loads(json.dumps(new.get("config", {})))
+    for dotted in definition.extendable:
+        section, _, name = dotted.partition(".")
+        was, now = old_cfg.get(section, {}).pop(name, None), new_cfg.get(section, {}).pop(name, None)
+        if was == now:
+            continue
+        if not isinstance(was, int | float) or not isinstance(now, int | float) or now < was:
+            return []
+        grown.append(f"{dotted} {was} -> {now}")
+    if not grown or not same_settings({**old, "config": old_cfg}, {**new, "config": new_cfg}):
+        return []
+    return grown
+
+
 def _renewed_upstream(old: dict[str, Any], new: dict[str, Any], config: Config) -> list[str]:
     """The differing inputs when the config values are equal and every differing input is a committed artifact
     inside this run's directory (an upstream stage of the run made it again); [] otherwise."""
@@ -284,9 +311,18 @@ def _renewed_upstream(old: dict[str, Any], new: dict[str, Any], config: Config) 
     for role in differing:
         value = now.get(role)
         if (value is None or role not in was or not value["content"].startswith("manifest:")
-                or not normalize_uri(value["uri"]).startswith(run_dir)):
+                or not normalize_uri(value["uri"]).startswith(run_dir)
+                or _location(was[role]["uri"]) != _location(value["uri"])):
             return []
     return [f"input {role} ({now[role]['uri']})" for role in differing]
+
+
+def _location(uri: str) -> str:
+    """Where an input lives: a checkpoint iteration stands for its save root (a re-run may end at another
+    iteration of the same root)."""
+    path = normalize_uri(parse_data_path(uri)[0])
+    head, _, tail = path.rstrip("/").rpartition("/")
+    return head if re.fullmatch(r"iter_\d{7}", tail) else path
 
 
 def _refusal(stage: str, output: str, record: dict[str, Any] | None, settings: dict[str, Any],

@@ -208,3 +208,31 @@ def test_rl_refuses_another_loss_and_schedule_before_anything_starts(sft_config,
     assert "rollout.num_rollout" in str(err.value) and "algorithm.advantage_estimator" in str(err.value)
     record = json.loads(Path(start.record_uri).read_text())
     assert record["status"] == "started" and record["stage"] == "rl"
+
+
+def test_rl_continues_on_more_iterations_but_not_on_fewer(sft_config, tmp_path):
+    """`--num-rollout` raised on a finished RL run continues it from its newest checkpoint (docs/ray.md's
+    multi-node resume); lowered, or raised together with another change, it is refused."""
+    save = str(tmp_path / "store" / "r" / "rl" / "checkpoint")
+    start = begin_stage(RL, sft_config("--save", save, "--num-rollout", "2"))
+    finish_with_checkpoint(start, 1)
+    more = begin_stage(RL, sft_config("--save", save, "--num-rollout", "3"))
+    assert more.reused is None and more.moved == [] and latest_checkpoint(save).endswith("iter_0000001")
+    assert read_record(save)["status"] == "started"
+    assert read_record(save)["settings"]["config"]["rollout"]["num_rollout"] == 3
+    with pytest.raises(StageSettingsMismatch, match=r"rollout\.num_rollout: 3 -> 1"):
+        begin_stage(RL, sft_config("--save", save, "--num-rollout", "1"))
+    with pytest.raises(StageSettingsMismatch, match="algorithm.advantage_estimator"):
+        begin_stage(RL, sft_config("--save", save, "--num-rollout", "4", "--advantage-estimator", "gspo"))
+
+
+def test_another_artifact_of_the_run_as_input_is_not_an_upstream_renewal(tmp_path):
+    """SFT on the run's accepted rejection-sampling set where it trained on the kit's data: other data."""
+    config = toy_config(tmp_path)
+    finish_with_checkpoint(begin_stage(TOY, config))
+    accepted = tmp_path / "store" / "r" / "rejection_sampling" / "accepted"
+    accepted.mkdir(parents=True)
+    (accepted / "shard.arrow").write_bytes(b"rows")
+    commit_directory(str(accepted), "shards")
+    with pytest.raises(StageSettingsMismatch, match="input data: other content"):
+        begin_stage(TOY, toy_config(tmp_path, "--sft-data", str(accepted)))
