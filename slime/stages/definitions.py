@@ -14,7 +14,7 @@ from typing import Any
 from slime.config import Config
 from slime.errors import NotCommittedError
 from slime.stages.record import StageDefinition
-from slime.storage import ArtifactStore
+from slime.storage import ArtifactStore, manifest_hash
 
 # where the engine is reached, not what it computes
 _ENGINE_ADDRESSES = ("engine.sglang_router_ip", "engine.sglang_router_port", "engine.engine_host")
@@ -87,8 +87,6 @@ DEFINITIONS: dict[str, StageDefinition] = {d.name: d for d in (CONVERT, SFT, REJ
 def summarize(stage: str, result: dict[str, Any], options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A library stage function's result as the stage result both entry points record:
     {"stage", "artifacts": {name: {"uri", "manifest_hash"}}, "metrics"}."""
-    from slime.storage import manifest_hash
-
     def artifact(uri: str, digest: str | None = None) -> dict[str, str]:
         return {"uri": uri, "manifest_hash": digest or manifest_hash(uri, options)}
 

@@ -25,6 +25,7 @@ from prefect.settings import (
 
 from flows._cli import signal_behind, watch_ephemeral_api
 from slime.backends.megatron.checkpoint import latest_checkpoint
+from slime.config import load_config
 from slime.storage import is_committed
 from tasks.convert import convert
 
@@ -127,8 +128,6 @@ def test_sigterm_to_the_process_group_stops_a_stage_flow_within_seconds(tiny_kit
     store = tmp_path / "store"
     overrides = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", str(tiny_kit.sft), "--sft-num-epoch", "20",
                  "--global-batch-size", "8", "--micro-batch-size", "8", "--sft-save-interval", "2"]
-    from slime.config import load_config
-
     convert.fn(load_config(str(TINY_CPU), overrides), "s", {"hf_checkpoint": str(tiny_kit.model_dir)},
                str(store / "s" / "convert" / "checkpoint"))  # the flow starts from the run's convert checkpoint
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own ephemeral API server
