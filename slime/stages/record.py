@@ -24,6 +24,7 @@ upgrade reuses finished stages (the Prefect cache key, which holds it, only deci
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import hashlib
 import json
@@ -165,11 +166,16 @@ def artifact_problems(result: Any, storage_options: dict[str, Any] | None = None
         if current != artifact["manifest_hash"]:
             problems.append(f"{name} {uri}: manifest changed since the result was recorded")
             continue
-        try:
-            problems += verify_files(uri, read_manifest(uri, storage_options), storage_options)
-        except StorageError as exc:
-            problems.append(str(exc))
+        problems += file_problems(uri, storage_options)
     return problems
+
+
+def file_problems(uri: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Every file of the committed artifact `uri` against its manifest ([] when intact)."""
+    try:
+        return verify_files(uri, read_manifest(uri, storage_options), storage_options)
+    except StorageError as exc:
+        return [str(exc)]
 
 
 def same_settings(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -285,7 +291,7 @@ def _extended(definition: StageDefinition, old: dict[str, Any], new: dict[str, A
     if not definition.resumable or not definition.extendable:
         return []
     grown = []
-    old_cfg, new_cfg = json.loads(json.dumps(old.get("config", {}))), json.loads(json.dumps(new.get("config", {})))
+    old_cfg, new_cfg = copy.deepcopy(old.get("config", {})), copy.deepcopy(new.get("config", {}))
     for dotted in definition.extendable:
         section, _, name = dotted.partition(".")
         was, now = old_cfg.get(section, {}).pop(name, None), new_cfg.get(section, {}).pop(name, None)
@@ -359,11 +365,7 @@ def _keep_intact_checkpoints(fs: Any, path: str, options: dict[str, Any]) -> lis
     for child in sorted(fs.ls(path, detail=False), reverse=True):
         if not is_committed(child, options):
             continue  # uncommitted leftovers are invisible to readers and overwritten by writers
-        try:
-            problems = verify_files(child, read_manifest(child, options), options)
-        except StorageError as exc:
-            problems = [str(exc)]
-        if not problems:
+        if not file_problems(child, options):
             break
         moved.append(move_aside(fs, child))
     return moved
