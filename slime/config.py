@@ -275,6 +275,14 @@ class CheckpointConfig(_Section):
     dist_ckpt_optim_fully_reshardable: bool = Field(
         False, description="DistributedOptimizer state as 'fully_reshardable' (any parallel layout can load it) "
                            "instead of 'dp_reshardable' (same TP/PP)")
+    async_save: bool = Field(False, description="slime's/Megatron's --async-save: a save copies the state to host "
+                                                "memory and training goes on while background processes write it; "
+                                                "committed once every rank's files are durable (a crash mid-write "
+                                                "leaves the previous checkpoint the newest)")
+    keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N committed checkpoints under "
+                                                                 "`save` (older ones are deleted after each commit; "
+                                                                 "verl's max_actor_ckpt_to_keep, OpenRLHF's "
+                                                                 "--max_ckpt_num); None: keep every one")
 
 
 class DataConfig(_Section):

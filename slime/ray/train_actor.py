@@ -223,6 +223,7 @@ class TrainActor:
         self.old_weights: dict[str, Any] | None = None
         self.rollout_weights: dict[str, Any] | None = None
         self.reusing_log_probs: bool | None = None  # the last rollout's can_reuse_log_probs (logged when it changes)
+        self.saver: Any = None  # slime.backends.megatron.async_save.AsyncSaver with --async-save, made by the first save
         self._loop = asyncio.new_event_loop()  # one loop for the syncer's whole life
 
     def init_method(self) -> str:
@@ -435,6 +436,8 @@ class TrainActor:
 
         c = self.config
         t0 = time.monotonic()
+        if self.saver is not None:  # commits the background save once every rank has written its files
+            self.saver.poll()
         samples = read_samples(uri, c.run.storage_options or None)
         if not samples:
             raise DataFormatError(f"{uri}: the rollout shard set holds no samples")
@@ -750,9 +753,11 @@ class TrainActor:
 
     # ------------------------------------------------------------------------- checkpoints, memory, sync
 
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> str:
-        """Commit checkpoint iteration `rollout_id` under `save` (collective); its path (with node staging: its
-        URL in the store, where every node uploaded its files)."""
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None, wait: bool = True) -> str:
+        """Checkpoint iteration `rollout_id` under `save` (collective); its path (with node staging: its URL in
+        the store, where every node uploaded its files). With --async-save the state is copied to host memory
+        and written in the background: committed by a later `train` once every rank is done, or before this
+        returns when `wait` (the run's last save, --release-train)."""
         from slime.backends.megatron.bridge import checkpoint_metadata
         from slime.backends.megatron.checkpoint import iteration_dir, save_checkpoint
 
@@ -760,12 +765,19 @@ class TrainActor:
         self.config.require("checkpoint.save", stage=STAGE)
         full = not ck.no_save_optim
         remote = self.node_staging.outputs.get(ck.save) if self.node_staging is not None else None
+        if ck.async_save and self.saver is None:
+            from slime.backends.megatron.async_save import AsyncSaver
+
+            self.saver = AsyncSaver()
         save_checkpoint(self.models, ck.save, rollout_id, optimizer=self.optimizer if full else None,
                         scheduler=self.scheduler if full else None, extra_state=extra_state or {},
                         metadata={**checkpoint_metadata(self.bridge, ck.hf_checkpoint), "stage": STAGE},
                         config_hash=self.config.section_hash("train", "algorithm", "checkpoint", "megatron"),
                         fully_reshardable=ck.dist_ckpt_optim_fully_reshardable, remote=remote,
-                        storage_options=self.config.run.storage_options)
+                        storage_options=self.config.run.storage_options, keep=ck.keep_checkpoints,
+                        saver=self.saver)
+        if self.saver is not None and wait:
+            self.saver.wait()
         path = iteration_dir(ck.save, rollout_id)
         return self.node_staging.to_remote(path) if remote else path
 
@@ -914,7 +926,11 @@ class TrainActor:
             self.old_weights = snapshot(self.models)
 
     def close(self) -> None:
-        """Release what the weight syncer holds between syncs (its process group); idempotent."""
+        """Commit a background save still in flight, release what the weight syncer holds between syncs (its
+        process group); idempotent."""
+        if self.saver is not None:
+            saver, self.saver = self.saver, None
+            saver.close()
         if self.syncer is not None:
             self._loop.run_until_complete(self.syncer.close())
             self.syncer = None

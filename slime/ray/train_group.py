@@ -81,9 +81,10 @@ class TrainGroup:
         """Train on the rollout shard set `uri`; the global metrics."""
         return self._all("train", rollout_id, uri)[0]
 
-    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None) -> str:
-        """Commit checkpoint `rollout_id` (with `extra_state`, e.g. the data-source state); its path."""
-        return self._all("save", rollout_id, extra_state)[0]
+    def save(self, rollout_id: int, extra_state: dict[str, Any] | None = None, wait: bool = True) -> str:
+        """Checkpoint `rollout_id` (with `extra_state`, e.g. the data-source state); its path. With --async-save
+        and not `wait`, it is committed in the background (`TrainActor.save`)."""
+        return self._all("save", rollout_id, extra_state, wait)[0]
 
     def offload(self) -> list[dict[str, Any]]:
         return self._all("offload")

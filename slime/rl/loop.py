@@ -445,7 +445,9 @@ class RLLoop:
         extra = {"rollout_id": rollout_id, "data_source": state, "weight_version": rollout_id + 1,
                  "partial_rollout_buffer_groups": len(state.get("buffer", [])),
                  "step_record": jsonable(self._step(rollout_id)), **held}
-        self.last_checkpoint = self.train_group.save(rollout_id, extra)
+        # --async-save: committed in the background, except the last save and one the released ranks resume from
+        wait = rollout_id + 1 == self.num_rollout or self.config.cluster.release_train
+        self.last_checkpoint = self.train_group.save(rollout_id, extra, wait=wait)
         for old in [i for i in self._states if i < rollout_id]:
             del self._states[old]
         seconds = time.monotonic() - t0

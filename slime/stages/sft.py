@@ -124,8 +124,14 @@ def _sft(config: Config) -> dict[str, Any]:
         # random init); refresh them from the loaded weights, or the first step writes the init back
         optimizer.reload_model_params()
 
+    saver = None
+    if config.checkpoint.async_save:  # interim saves written in the background (docs/megatron.md)
+        from slime.backends.megatron.async_save import AsyncSaver
+
+        saver = AsyncSaver()
+
     def save_at(step: int) -> None:
-        _save(config, bridge, models, optimizer, scheduler, step, losses, data_plan)
+        _save(config, bridge, models, optimizer, scheduler, step, losses, data_plan, saver)
 
     settings = StepSettings(loss_type="sft_loss", micro_batch_size=config.train.micro_batch_size,
                             calculate_per_token_loss=config.algorithm.calculate_per_token_loss)
@@ -142,6 +148,8 @@ def _sft(config: Config) -> dict[str, Any]:
             metrics = train_step(models, optimizer, batch, settings, vocab_size=bridge.hf_config.vocab_size,
                                  pad_token_id=tokenizer.pad_token_id or 0)
             scheduler.step(1)
+            if saver is not None:
+                saver.poll()
             losses.append(metrics["sft_loss"])
             logger.info("sft epoch %d step %d/%d loss %.4f grad_norm %.3f lr %.3g", epoch, step, total_steps,
                         metrics["sft_loss"], metrics["grad_norm"], metrics["lr"])
@@ -150,6 +158,8 @@ def _sft(config: Config) -> dict[str, Any]:
                 save_at(step)
     if not is_committed(path):
         save_at(total_steps)
+    if saver is not None:
+        saver.close()  # the last save committed before the stage reports it
     summary = _summary(path, losses, resume_from)
     if lora_spec is not None:
         counts = count_parameters(models)
@@ -183,7 +193,7 @@ def _check_resumable(path: str, data_plan: dict[str, Any]) -> list[float]:
 
 
 def _save(config: Config, bridge: Any, models: list[Any], optimizer: Any, scheduler: Any, step: int,
-          losses: list[float], data_plan: dict[str, Any]) -> None:
+          losses: list[float], data_plan: dict[str, Any], saver: Any = None) -> None:
     from slime.backends.megatron.bridge import checkpoint_metadata
     from slime.backends.megatron.checkpoint import save_checkpoint
 
@@ -193,7 +203,8 @@ def _save(config: Config, bridge: Any, models: list[Any], optimizer: Any, schedu
                     metadata={**checkpoint_metadata(bridge, config.checkpoint.hf_checkpoint), "stage": "sft",
                               "sft_losses": losses, "sft_plan": data_plan},
                     config_hash=config.section_hash("sft", "train", "checkpoint", "megatron"),
-                    fully_reshardable=config.checkpoint.dist_ckpt_optim_fully_reshardable)
+                    fully_reshardable=config.checkpoint.dist_ckpt_optim_fully_reshardable,
+                    keep=config.checkpoint.keep_checkpoints, saver=saver)
 
 
 if __name__ == "__main__":

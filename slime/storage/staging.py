@@ -37,7 +37,14 @@ from typing import Any
 
 from slime.errors import CorruptArtifactError, NotCommittedError
 from slime.storage.fs import is_local, join_uri, open_fs
-from slime.storage.manifest import MANIFEST_NAME, FileEntry, hash_file, is_committed, read_manifest
+from slime.storage.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    hash_entries,
+    hash_file,
+    is_committed,
+    read_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,11 +171,7 @@ def put_files(local: str, uri: str, paths: list[str], storage_options: dict[str,
 def hash_files(local: str, paths: list[str]) -> list[FileEntry]:
     """Manifest entries (size, sha256, crc32) of the files `paths` relative to `local`."""
     local_fs, _ = open_fs(local)
-    entries = []
-    for rel in paths:
-        size, sha256, crc = hash_file(local_fs, os.path.join(local, rel))
-        entries.append(FileEntry(path=rel, bytes=size, sha256=sha256, crc32=crc))
-    return entries
+    return hash_entries(local_fs, local, paths)
 
 
 def local_copy(config: Any, uri: str) -> str:

@@ -62,8 +62,10 @@ def versions(config, rollout_id: int) -> set[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def full_run(tiny_kit, root, ray_cluster):
-    # check_weight_update_equal: engines zero their weights before the first sync, which must restore them
-    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2}, run={"check_weight_update_equal": True})
+    # check_weight_update_equal: engines zero their weights before the first sync, which must restore them;
+    # async_save: checkpoint 1 is written in the background while rollout 2 runs, committed by its train call
+    config = loop_config(tiny_kit, root, "full", eval={"eval_interval": 2}, run={"check_weight_update_equal": True},
+                         checkpoint={"async_save": True})
     return config, run_rl(config)
 
 
@@ -74,6 +76,8 @@ def test_three_grpo_rollouts_with_saves_evals_and_metrics(full_run):
     save = config.checkpoint.save
     assert result["last_checkpoint"].endswith("iter_0000002") and latest_checkpoint(save) == result["last_checkpoint"]
     assert is_committed(f"{save}/iter_0000001")  # save_interval 2: after rollout 1, then at the end
+    assert read_training_state(f"{save}/iter_0000001").extra_state["rollout_id"] == 1  # its own state, though
+    assert result["steps"][1]["perf/save_s"] < result["steps"][2]["perf/save_s"]  # written while training went on
     assert not is_committed(f"{save}/iter_0000000")
     extra = read_training_state(result["last_checkpoint"]).extra_state
     assert extra["rollout_id"] == 2 and extra["weight_version"] == 3

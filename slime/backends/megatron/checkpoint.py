@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron import lora
+from slime.backends.megatron.async_save import AsyncSaver
 from slime.backends.megatron.bridge import ARCHITECTURE_FIELDS
 from slime.backends.megatron.optimizer import (
     SCHEDULER_FIELDS,
@@ -50,7 +51,7 @@ from slime.backends.megatron.optimizer import (
 )
 from slime.backends.megatron.rng_state import capture_rng_state, restore_rng_state
 from slime.errors import ConfigError, CorruptArtifactError, NotCommittedError
-from slime.storage.fs import join_uri
+from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import (
     FileEntry,
     Manifest,
@@ -116,7 +117,8 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
                     scheduler: Any = None, extra_state: dict[str, Any] | None = None,
                     metadata: dict[str, Any] | None = None, config_hash: str | None = None,
                     fully_reshardable: bool = False, remote: str | None = None,
-                    storage_options: dict[str, Any] | None = None) -> Manifest:
+                    storage_options: dict[str, Any] | None = None, keep: int | None = None,
+                    saver: AsyncSaver | None = None) -> Manifest | None:
     """Save under `{save}/iter_N` on every rank (a collective call) and commit it.
 
     With `optimizer` (and `scheduler`), the full training state is saved: optimizer state (for the
@@ -126,11 +128,17 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
 
     With `remote` (a URL), `save` is this node's staging directory and the checkpoint is committed at
     `{remote}/iter_N` from every node's files (`node_staging.commit_from_nodes`), not locally.
+    With `keep`, once committed, only the newest `keep` committed checkpoints under the root stay
+    (`prune_checkpoints`). With `saver` (`--async-save`), the state is copied to host memory and written in
+    the background: this returns None at once, and the checkpoint is committed by a later `saver.poll()`
+    or `saver.wait()` (`async_save.py`); without, the committed manifest is returned.
     """
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(save, iteration)
     target = join_uri(remote, os.path.basename(path)) if remote else path
+    if saver is not None:
+        saver.wait()  # one save in flight at a time; and `path` may be the one still writing
     if is_committed(path) or (remote and is_committed(target, storage_options)):
         raise ConfigError(f"{target} is already a committed checkpoint; use another --save or iteration")
     extra_json = json.dumps(extra_state or {})  # fail before writing anything if it is not JSON
@@ -146,20 +154,26 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
         raise ConfigError("a LoRA checkpoint records the base its adapters belong to: call lora.set_base after "
                           "loading the base weights")
     rng = capture_rng_state() if optimizer is not None else None
-    dist_checkpointing.save(_model_state(model), _mkdir(path, "model"))
+    strategy = save_strategy()
+    requests = []
+
+    def write(state: dict[str, Any], directory: str) -> None:
+        request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=saver is not None)
+        requests.append(request)
+
+    write(_model_state(model), _mkdir(path, "model"))
     sharding = None
     if optimizer is not None:
         sharding = _sharding_type(optimizer, fully_reshardable)
         init_optimizer_state(optimizer)  # fix 1 (optimizer.py)
         state = optimizer.sharded_state_dict(_model_state(model), is_loading=False,
                                              metadata=_sharding_metadata(sharding))
-        dist_checkpointing.save(state, _mkdir(path, "optimizer"))
+        write(state, _mkdir(path, "optimizer"))
         _write_json(os.path.join(_mkdir(path, "rng"), f"rank_{rank:05d}.json"), rng)
         if rank == 0:
             scheduler_state = scheduler.state_dict() if scheduler is not None else None
             _write_json(os.path.join(path, TRAINING_STATE), {"iteration": iteration, "scheduler": scheduler_state,
                                                              "extra_state": json.loads(extra_json)})
-    _barrier()
     info = {"iteration": iteration, "format": "torch_dist", "model_signature": model_signature(models),
             "parallel": parallel_layout(models, optimizer), "training_state": optimizer is not None,
             "optimizer_sharding": sharding, "lora": adapters, **(metadata or {})}
@@ -168,15 +182,81 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
             return Manifest(kind=CHECKPOINT_KIND, config_hash=config_hash, files=files, metadata=info,
                             producer=producer_info(stage="checkpoint"))
 
-        committed = commit_from_nodes(path, target, storage_options, manifest)
-        logger.info("committed checkpoint %s from every node's files", target)
-        return committed
-    if rank == 0:
-        commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
-                         producer=producer_info(stage="checkpoint"), metadata=info)
+        def commit_remote() -> Manifest:
+            committed = commit_from_nodes(path, target, storage_options, manifest)
+            logger.info("committed checkpoint %s from every node's files", target)
+            if keep and rank == 0:
+                prune_checkpoints(remote, keep, storage_options)
+            return committed
+
+        if saver is not None:
+            saver.schedule(target, requests, commit_remote, background=False)
+            return None
+        _barrier()
+        return commit_remote()
+
+    def commit_local() -> Manifest:
+        manifest = commit_directory(path, CHECKPOINT_KIND, config_hash=config_hash,
+                                    producer=producer_info(stage="checkpoint"), metadata=info)
         logger.info("committed checkpoint %s (%s)", path, "training state" if optimizer is not None else "model")
+        if keep:
+            prune_checkpoints(save, keep)
+        return manifest
+
+    if saver is not None:
+        saver.schedule(path, requests, commit_local, background=True)
+        return None
+    _barrier()
+    if rank == 0:
+        commit_local()
     _barrier()
     return read_manifest(path)
+
+
+def save_strategy() -> Any:
+    """megatron-core's torch_dist writer with `save_threads()` files per rank, each written by its own
+    process; with data parallelism, wrapped to spread the replicated tensors' writes over the DP ranks
+    (Megatron's --ckpt-fully-parallel-save, its default) instead of DP rank 0 writing them all."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=save_threads())
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+        return FullyParallelSaveStrategyWrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+def save_threads() -> int:
+    """Writer processes per rank and torch_dist directory: half this node's cores, 2 to 8 (megatron's default,
+    2, leaves a fast local disk idle: docs/benchmarks.md "Checkpoint saves")."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+def prune_checkpoints(save: str, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Delete all but the newest `keep` committed `iter_*` checkpoints under `save` (a local path or URL),
+    and the uncommitted leftovers older than the newest committed one; never the newest committed one, nor
+    anything newer than it (a save still being written). Returns what it deleted."""
+    if keep < 1:
+        raise ConfigError(f"keep_checkpoints is {keep}: keep at least the newest checkpoint (>= 1), or leave it "
+                          "unset to keep every checkpoint")
+    fs, root = open_fs(save, storage_options)
+    if not fs.exists(root):
+        return []
+    iterations = sorted((int(m.group(1)), name) for entry in fs.ls(root, detail=False)
+                        if (m := _ITER.match(name := entry.rstrip("/").rsplit("/", 1)[-1])))
+    committed = [(i, name) for i, name in iterations if is_committed(join_uri(save, name), storage_options)]
+    if not committed:
+        return []
+    kept = {name for _, name in committed[-keep:]}
+    newest = committed[-1][0]
+    doomed = [name for i, name in iterations if i < newest and name not in kept]
+    for name in doomed:
+        fs.rm(join_uri(root, name), recursive=True)
+    if doomed:
+        logger.info("pruned %d checkpoint(s) under %s (keep_checkpoints %d): %s", len(doomed), save, keep,
+                    ", ".join(doomed))
+    return [join_uri(save, name) for name in doomed]
 
 
 def save_model_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
