@@ -24,7 +24,7 @@ PREFECT_ENV := PREFECT_HOME=$(PREFECT_HOME) PREFECT_SERVER_EPHEMERAL_STARTUP_TIM
 CONFIG ?= deployments/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run serve test test-slow lint bench clean-venv
+.PHONY: install run serve test test-slow lint bench docs clean-venv
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ bench: $(STAMP)
 	$(BIN)/python bench/shards.py
 	$(BIN)/slime datasets make-tiny $(KIT)
 	$(BIN)/python bench/engine.py --model $(KIT)/model
+
+# The generated docs: docs/configuration.md (`slime config reference`) and the refused-flag table of
+# docs/from-slime.md; tests/test_cli.py and tests/test_docs.py fail when either is stale
+docs: $(STAMP)
+	$(BIN)/slime config reference > docs/configuration.md
+	$(BIN)/python tests/test_docs.py --write
 
 clean-venv:
 	rm -rf $(VENV)
