@@ -28,11 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import resource
 import time
+from dataclasses import fields, replace
 from typing import Any
 
+from slime.backends.megatron.batching import balanced_partition, forward_flops
+from slime.backends.megatron.hooks import load_megatron_hooks
 from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
+from slime.net import find_free_port
+from slime.plugins import load_plugin_field
+from slime.ray.ci_checks import check_ci, check_grad_norms, save_grad_norms
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +111,6 @@ def rank_share(samples: list[Any], steps: int, rank: int, world_size: int,
     """This rank's samples of each step: step k is `samples[k*G:(k+1)*G]`, rank r takes every
     world_size-th sample of it starting at r; with `workloads` (slime's --balance-data: one estimated cost
     per sample) rank r takes group r of the step's Karmarkar-Karp partition into equal-count groups."""
-    from slime.backends.megatron.batching import balanced_partition
 
     size = len(samples) // steps
     if size % world_size:
@@ -230,8 +237,6 @@ class TrainActor:
         """`tcp://IP:PORT` on this actor's node, for torch.distributed (called on rank 0)."""
         import ray
 
-        from slime.engines.process import find_free_port
-
         ip = ray.util.get_node_ip_address()
         return f"tcp://{ip}:{find_free_port('0.0.0.0')}"
 
@@ -246,7 +251,6 @@ class TrainActor:
             model_parallel_sizes,
         )
         from slime.backends.megatron.freeze import freeze_callback
-        from slime.backends.megatron.hooks import load_megatron_hooks
         from slime.backends.megatron.lora import LoraSpec, lora_callback
         from slime.backends.megatron.optimizer import build_optimizer_and_scheduler
         from slime.stages.convert import megatron_dtype, vocab_padding
@@ -339,8 +343,9 @@ class TrainActor:
             load_checkpoint,
             load_model_checkpoint,
             read_checkpoint_manifest,
+            reference_checkpoint,
+            resolve_checkpoint,
         )
-        from slime.stages.export import reference_checkpoint, resolve_checkpoint
 
         ck = self.config.checkpoint
         resume = latest_checkpoint(ck.save) if ck.save else None
@@ -379,8 +384,11 @@ class TrainActor:
         """The KL reference: `ref_load`; else the policy RL starts from (`load`, e.g. the pipeline's SFT
         checkpoint, also on a resume); else `hf_checkpoint`. (The GPU pipeline's first run took the untrained
         HF weights as reference while RL started from SFT: KL to the reference read 6.0 at step 0.)"""
-        from slime.backends.megatron.checkpoint import load_model_checkpoint
-        from slime.stages.export import reference_checkpoint, resolve_checkpoint
+        from slime.backends.megatron.checkpoint import (
+            load_model_checkpoint,
+            reference_checkpoint,
+            resolve_checkpoint,
+        )
 
         ck = self.config.checkpoint
         if ck.ref_load:
@@ -401,8 +409,8 @@ class TrainActor:
             CheckpointMismatchError,
             load_model_checkpoint,
             read_checkpoint_manifest,
+            teacher_checkpoint,
         )
-        from slime.stages.export import teacher_checkpoint
 
         path = teacher_checkpoint(self.config.checkpoint)
         hf = read_checkpoint_manifest(path).metadata.get("hf_config") or {}
@@ -516,8 +524,7 @@ class TrainActor:
         return metrics
 
     def _ci_checks(self, rollout_id: int, rows: list[dict[str, float]], metrics: dict[str, float]) -> None:
-        """slime's --ci-test invariants and grad-norm save/compare (slime.rl.ci); raise InvariantError."""
-        from slime.rl.ci import check_ci, check_grad_norms, save_grad_norms
+        """slime's --ci-test invariants and grad-norm save/compare (slime.ray.ci_checks); raise InvariantError."""
 
         run = self.config.run
         if run.ci_test:
@@ -540,7 +547,6 @@ class TrainActor:
         path = self.config.reward.custom_convert_samples_to_train_data_path
         if not path:
             return self._rewards(samples, uri)
-        from slime.plugins import load_plugin_field
 
         convert = load_plugin_field(self.config.as_namespace(), "custom_convert_samples_to_train_data_path",
                                     ["args", "samples"], is_async=False)
@@ -708,7 +714,6 @@ class TrainActor:
 
     def _flops(self, length: int) -> float:
         """Estimated forward FLOPs of a sequence of `length` tokens under this model."""
-        from slime.backends.megatron.batching import forward_flops
 
         return forward_flops(length, self.bridge.hf_config)
 
@@ -898,7 +903,6 @@ class TrainActor:
     def _adapter_base(self) -> Any:
         """Adapter sync: the base weights to send once when the adapters' base is not the HF checkpoint the
         engines start from (a LoRA stage on a conversion or a full checkpoint), else None."""
-        import os
 
         from slime.backends.megatron import lora
         from slime.backends.megatron.bridge import export_hf_weights
@@ -940,7 +944,6 @@ class TrainActor:
 
 def _peak_memory_bytes() -> float:
     """This rank's peak memory: allocated GPU memory under CUDA, else the process's peak resident set."""
-    import resource
 
     import torch
 
@@ -950,8 +953,6 @@ def _peak_memory_bytes() -> float:
 
 
 def _slice_arrays(arrays: Any, start: int, stop: int) -> Any:
-    from dataclasses import fields, replace
-
     return replace(arrays, **{f.name: getattr(arrays, f.name)[start:stop] for f in fields(arrays)
                               if getattr(arrays, f.name) is not None})
 
