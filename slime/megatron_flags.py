@@ -71,7 +71,7 @@ def negated_options(megatron: dict[str, Any]) -> dict[str, Any]:
 # that are neither megatron-core config fields nor `NEGATED`; older slime scripts pass a few more (--use-dist-ckpt,
 # --log-interval, ...). Each one is decided below, read in NVIDIA/Megatron-LM megatron/training/arguments.py and
 # argument_utils.py (core_transformer_config_from_args) at the commit above. Anything not here stays an unknown
-# option (config._validate), so a typo still fails.
+# option (slime/config/passthrough.py), so a typo still fails.
 
 
 @dataclass(frozen=True)

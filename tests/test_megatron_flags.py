@@ -1,5 +1,5 @@
 """Megatron-LM's `--no-X` fusion flags, checkpoint-loading flags and other launch flags on slime command lines (slime/megatron_flags.py,
-the checkpoint section of slime/config.py): they were refused as unknown options."""
+the checkpoint section in slime/config/checkpoint.py): they were refused as unknown options."""
 
 import dataclasses
 import logging
