@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    create .venv if missing, install, run the main job on the embedded CPU default
-#   make test   create .venv if missing, install, run ruff and the CPU test suite
+#   make test   create .venv if missing, install, run ruff, the import contract (lint-imports) and the CPU test suite
 #
 # On a CPU machine torch is installed first from TORCH_SPEC, so no CUDA wheels are pulled in;
 # on a GPU machine set TORCH_SPEC to the build you want (or an installed one), and add `.[gpu]`.
@@ -59,6 +59,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -66,6 +67,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python bench/shards.py

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from slime.sync.delta import checksum, host_bytes
+from slime.delta_codec import checksum, host_bytes
 from slime.sync.distributed_delta import fingerprint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -10,7 +10,6 @@ from typing import Any
 from prefect import Task
 from prefect.runtime import flow_run
 
-from flows._report import publish_stage_report
 from slime.config import Config, load_config
 from slime.errors import NotCommittedError
 from slime.preflight import prepare_run
@@ -18,6 +17,7 @@ from slime.storage import ArtifactStore
 from slime.storage.lease import hold_stage
 from slime.storage.staging import newest_committed
 from tasks._cache import result_storage
+from tasks._report import publish_stage_report
 
 
 def resolve_run(config: str, overrides: list[str] | None, store: str | None, run_id: str | None, *,

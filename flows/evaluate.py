@@ -22,11 +22,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows._cli import DEFAULT_CONFIG, main
-from flows._report import publish_eval_table
 from flows._stage import newest_model, resolve_run, run_name, run_stage
 from slime.config import Config
 from slime.stages.evaluate import plan_evaluate
 from slime.storage import is_committed
+from tasks._report import publish_eval_table
 from tasks._stage import with_fields
 from tasks.evaluate import evaluate
 

@@ -19,7 +19,6 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows._cli import DEFAULT_CONFIG, main
-from flows._report import publish_pipeline_table
 from flows._stage import resolve_run, run_name
 from flows.convert import convert_flow
 from flows.evaluate import evaluate_flow
@@ -30,6 +29,7 @@ from flows.sft import sft_flow
 from slime.config import Config
 from slime.errors import ConfigError
 from slime.storage.lease import hold_run
+from tasks._report import publish_pipeline_table
 from tasks.export_check import check_export
 
 # DESIGN.md's stage order; OPTIONAL ones can be left out with `skip`

@@ -7,6 +7,7 @@ command takes `--config FILE` followed by `--flag value` overrides with slime's 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -16,14 +17,17 @@ from collections.abc import Callable
 
 import yaml
 
+from slime.config import load_config
+from slime.config_reference import reference_markdown
 from slime.errors import SlimeError
+from slime.storage.fs import normalize_uri
+from slime.storage.lease import hold_stage
 
 logger = logging.getLogger("slime")
 
 
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
     """Resolve and validate a config; print it with the hash of every section."""
-    from slime.config import load_config
 
     config = load_config(args.config, overrides)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -35,7 +39,6 @@ def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _config_reference(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print the Markdown reference of every config field."""
-    from slime.config import reference_markdown
 
     print(reference_markdown())
     return 0
@@ -44,7 +47,6 @@ def _config_reference(args: argparse.Namespace, overrides: list[str]) -> int:
 def _shards_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     """Print a shard set's manifest summary, schema, row count and checksum status."""
     from slime.storage import ShardSet
-    from slime.storage.fs import normalize_uri
 
     shard_set = ShardSet.open(normalize_uri(args.uri), json.loads(args.storage_options))
     m = shard_set.manifest
@@ -92,13 +94,9 @@ def _stage(run: str, stage: str) -> Callable[[argparse.Namespace, list[str]], in
     one library stage, records it and prints its result."""
 
     def handler(args: argparse.Namespace, overrides: list[str]) -> int:
-        import importlib
-
-        from slime.config import load_config
         from slime.preflight import prepare_run
         from slime.stages.definitions import DEFINITIONS, summarize
         from slime.stages.record import begin_stage
-        from slime.storage.lease import hold_stage
 
         module, function = run.rsplit(".", 1)
         config = prepare_run(load_config(args.config, overrides), stage)

@@ -84,3 +84,19 @@ class RunInUseError(StorageError):
 class InvariantError(SlimeError, RuntimeError):
     """A `--ci-test` invariant of a run does not hold (e.g. trainer and engine log-probs disagree); the
     message names the check, the rollout and step, the value and its bound."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be loaded the way it was asked for."""
+
+
+class UncommittedCheckpointError(CheckpointError, NotCommittedError):
+    """The directory has no committed manifest (never a checkpoint, or its save did not finish)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was saved from a different model, layout or schedule than the one loading it."""
+
+
+class ModelOnlyCheckpointError(CheckpointError):
+    """A full training-state resume was asked of a checkpoint that holds the model only."""

@@ -20,9 +20,11 @@ the flags are read, so either one turns the model's bias-activation fusion off.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from slime.errors import ConfigError
 
 # Megatron-LM flag (underscored) -> the model option (TransformerConfig field, `bridge.model_options`) it sets to
 # False. Read in NVIDIA/Megatron-LM at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553: arguments.py
@@ -69,7 +71,7 @@ def negated_options(megatron: dict[str, Any]) -> dict[str, Any]:
 # that are neither megatron-core config fields nor `NEGATED`; older slime scripts pass a few more (--use-dist-ckpt,
 # --log-interval, ...). Each one is decided below, read in NVIDIA/Megatron-LM megatron/training/arguments.py and
 # argument_utils.py (core_transformer_config_from_args) at the commit above. Anything not here stays an unknown
-# option (config._validate), so a typo still fails.
+# option (slime/config/passthrough.py), so a typo still fails.
 
 
 @dataclass(frozen=True)
@@ -267,3 +269,69 @@ def launch_flag_table_markdown() -> str:
         value = f" (only {flag.value!r})" if flag.kind == "agrees" else ""
         lines.append(f"| `{_flag(name)}` | {flag.kind}{value} | {why.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- CUDA graphs (cuda_graphs.py)
+
+SCOPES = ("full", "attn", "mlp")  # the local implementation graphs the whole dense layer for each
+
+
+def requested(megatron: Mapping[str, Any]) -> bool:
+    """Whether the megatron pass-through options ask for megatron-core's local CUDA graphs
+    (`cuda_graph_impl: local`, or the deprecated `enable_cuda_graph: true` megatron maps onto it)."""
+    return megatron.get("cuda_graph_impl") == "local" or bool(megatron.get("enable_cuda_graph"))
+
+
+def _scopes(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [s.strip() for s in value.split(",") if s.strip()]
+    if isinstance(value, list | tuple):
+        return [str(s) for s in value]
+    return [str(value)]
+
+
+def option_problems(megatron: Mapping[str, Any], *, offload_train: bool,
+                    dynamic_batch: bool) -> list[tuple[str, str]]:
+    """(field, why) for each CUDA-graph option of `megatron` this trainer cannot run; empty when fine.
+    `offload_train`: the train ranks offload between steps (colocated); `dynamic_batch`: the micro-batch
+    shapes change from step to step (train.use_dynamic_batch_size)."""
+    problems: list[tuple[str, str]] = []
+    impl = megatron.get("cuda_graph_impl", "none")
+    if impl not in ("none", "local", "transformer_engine"):
+        problems.append(("megatron.cuda_graph_impl", f"{impl!r} is not one of none, local, transformer_engine"))
+    if impl == "transformer_engine" or megatron.get("external_cuda_graph"):
+        field = "megatron.cuda_graph_impl" if impl == "transformer_engine" else "megatron.external_cuda_graph"
+        problems.append((field, "Transformer Engine's graphs (make_graphed_callables) are captured by Megatron-LM's "
+                                "training loop, which this trainer does not run: use cuda_graph_impl=local, megatron-core's "
+                                "own per-layer graphs (no Transformer Engine needed)"))
+    if not requested(megatron):
+        return problems
+    unknown = [s for s in _scopes(megatron.get("cuda_graph_scope")) if s not in SCOPES]
+    if unknown:
+        why = ("captures the whole iteration from Megatron-LM's training loop, outside megatron-core's schedules"
+               if unknown[0] == "full_iteration" else "applies to MoE or Mamba layers, which these dense models lack")
+        problems.append(("megatron.cuda_graph_scope", f"{unknown[0]!r} {why}; leave cuda_graph_scope unset "
+                                                      "(each transformer layer is one graph)"))
+    if megatron.get("recompute_granularity") == "full" or megatron.get("recompute_method"):
+        problems.append(("megatron.recompute_granularity", "full activation recomputation is only supported by "
+                                                           "megatron with full-iteration graphs: use "
+                                                           "recompute_granularity=selective or no graphs"))
+    if offload_train:
+        problems.append(("cluster.offload_train", "the colocated offload moves the weights and gradient buffers to "
+                                                  "new GPU addresses, and the captured graphs keep the old ones: "
+                                                  "run without colocate/offload_train to use cuda_graph_impl=local"))
+    if dynamic_batch:
+        problems.append(("train.use_dynamic_batch_size", "dynamic batching changes the micro-batch shapes every step, "
+                                                         "and graphs replay only the first step's shapes: use a fixed "
+                                                         "micro_batch_size with cuda_graph_impl=local"))
+    return problems
+
+
+def check_options(megatron: Mapping[str, Any], *, offload_train: bool = False, dynamic_batch: bool = False) -> None:
+    """`option_problems` as a ConfigError (the first problem), for callers without a config tree."""
+    problems = option_problems(megatron, offload_train=offload_train, dynamic_batch=dynamic_batch)
+    if problems:
+        field, why = problems[0]
+        raise ConfigError(f"{field}: {why}")

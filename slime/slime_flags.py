@@ -20,7 +20,6 @@ import csv
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 TABLE = Path(__file__).with_name("slime_flags.tsv")
 
@@ -185,89 +184,3 @@ def refusal(name: str) -> str | None:
     """Why the slime flag `name` (field spelling, one of its own or of its SGLang launcher) is refused here; None
     when it is not."""
     return REFUSED.get(name) or LAUNCHER_REFUSED.get(name)
-
-
-def classify(flag: SlimeFlag) -> tuple[str, str]:
-    """('accepted' | 'mapped' | 'refused', where it lives or why) for one of slime's flags."""
-    from slime.config import FIELD_SECTION, megatron_flag_names  # cyclic: config imports this module
-
-    name = flag.name
-    if name in REFUSED:
-        return "refused", REFUSED[name]
-    if name in MAPPED:
-        return "mapped", MAPPED[name]
-    if name in PLUGIN_ONLY:
-        return "accepted", f"{FIELD_SECTION[name]}.{name}: {PLUGIN_ONLY[name]}"
-    if name in FIELD_SECTION:
-        return "accepted", f"{FIELD_SECTION[name]}.{name}"
-    if name in megatron_flag_names():
-        return "accepted", f"megatron.{name} (pass-through)"
-    return "unknown", "neither a config field, a Megatron flag nor refused"
-
-
-def flag_table_markdown() -> str:
-    """The slime-flag table of docs/configuration.md: each flag, slime's default, and its state here."""
-    flags = slime_flags()
-    states = [classify(f) for f in flags]
-    counts: dict[str, int] = {}
-    for state, _ in states:
-        counts[state] = counts.get(state, 0) + 1
-    lines = [
-        "## slime's flags",
-        "",
-        f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
-        f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
-        + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
-        "A refused flag stops `load_config` with its reason; a mapped one is logged once, and so is an accepted "
-        "one that slime's own code never reads (its note says so: only plugins do).",
-        "",
-        "| flag | slime's type, default | slime's meaning | here | where / why |",
-        "|---|---|---|---|---|",
-    ]
-    for flag, (state, note) in zip(flags, states, strict=True):
-        differs = DEFAULTS_DIFFER.get(flag.name)
-        note = f"{note}; default differs: {differs}" if differs and state != "refused" else note
-        meaning = flag.help if len(flag.help) <= 120 else flag.help[:117].rstrip() + "..."
-        lines.append(f"| `{flag.flag}` | {flag.type}, `{flag.default}` | {meaning.replace('|', '/')} | {state} | "
-                     f"{note.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
-def script_flag_table_markdown() -> str:
-    """The docs/configuration.md table of the other flags slime's launch scripts carry: its SGLang launcher's own
-    flags, SGLang flags under an older SGLang's names, and the options of the scripts' Ray lines."""
-    from slime.engines.sglang_server import PINNED_SGLANG_VERSION, RENAMED_SGLANG_ARGS, RESERVED_SGLANG_ARGS
-
-    lines = [
-        "## Other flags of slime's launch scripts",
-        "",
-        "Flags of THUDM/slime's `scripts/*.sh` and of its SGLang launcher (`slime/backends/sglang_utils/"
-        "arguments.py`, commit " + source_commit()[:8] + ") that are neither slime's own (the table above), a "
-        "config field nor Megatron's. `refused`: stops `load_config` with the reason; `mapped`: "
-        "passed to the router as the `--router-<option>` named (logged); "
-        f"`renamed`: an SGLang flag the scripts spell as an older SGLang did: passed to the engines under SGLang "
-        f"{PINNED_SGLANG_VERSION}'s name (only when the SGLang validated against lacks the old one; logged); "
-        "`not slime's`: an option of the scripts' Ray command lines, which stays an unknown option naming what does "
-        "its job here.",
-        "",
-        "| flag | here | what / why |",
-        "|---|---|---|",
-    ]
-    rows = [(f"--{name.replace('_', '-')}", "refused", why) for name, why in LAUNCHER_REFUSED.items()]
-    rows.append(("--sglang-config", "refused", RESERVED_SGLANG_ARGS["config"]))
-    rows += [(f"--{name.replace('_', '-')}", f"mapped: `--router-{option.replace('_', '-')}`", why)
-             for name, (option, why) in LAUNCHER_ROUTER.items()]
-    rows += [(f"--sglang-{old.replace('_', '-')}", f"renamed: `--sglang-{new.replace('_', '-')}`", why)
-             for old, (new, why) in RENAMED_SGLANG_ARGS.items()]
-    rows += [(f"--{name.replace('_', '-')}", "not slime's", why) for name, why in RAY_CLI.items()]
-    lines += [f"| `{flag}` | {state} | {why.replace('|', '/')} |" for flag, state, why in rows]
-    return "\n".join(lines) + "\n"
-
-
-def summary() -> dict[str, Any]:
-    """Counts by state (for the docs and the issue note)."""
-    out: dict[str, Any] = {"commit": source_commit(), "total": len(slime_flags())}
-    for flag in slime_flags():
-        state = classify(flag)[0]
-        out[state] = out.get(state, 0) + 1
-    return out

@@ -94,7 +94,7 @@ class Sample:
     `response_length`). `weight_versions` is slime's: one entry per engine call; `token_weight_versions`
     (this project's) says which weight version generated each response token (-1: an environment token,
     or one from before versions were recorded), so a response continued across weight updates
-    (partial rollout, fully async mode) keeps the version of every range (`slime.rl.staleness`).
+    (partial rollout, fully async mode) keeps the version of every range (`slime.rollout.staleness`).
     """
 
     Status = Status  # slime's spelling: Sample.Status.COMPLETED

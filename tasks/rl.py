@@ -24,7 +24,6 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 from prefect.states import State
 
-from flows._report import artifact_key
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config
 from slime.errors import NotCommittedError
@@ -35,6 +34,7 @@ from slime.storage import ArtifactStore, manifest_hash
 from slime.storage.fs import open_fs
 from slime.storage.staging import is_remote, newest_committed, staged
 from tasks._cache import StageCachePolicy
+from tasks._report import artifact_key
 from tasks._stage import Phases, finish_stage, reused, stage_task, start_stage, with_fields
 from tasks.evaluate import GPU_TAG
 

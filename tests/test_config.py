@@ -259,7 +259,7 @@ def test_lora_refuses_partial_training_lists_and_an_adapter_without_rank():
 
 
 def test_lora_adapter_sync_flags_and_refusals():
-    from slime.engines.fleet import lora_engine_args
+    from slime.engines.launch import lora_engine_args
     from slime.engines.sglang_server import build_sglang_command
     from slime.sync import resolve_mode
 
@@ -287,7 +287,7 @@ def test_lora_adapter_sync_flags_and_refusals():
 
 
 def test_share_gpu_fractions_and_what_they_imply():
-    from slime.engines.fleet import engine_memory_limit
+    from slime.engines.launch import engine_memory_limit
     from slime.sync import resolve_mode
 
     config = load_config(None, ["--share-gpu", "--train-gpu-fraction", "0.6", "--rollout-gpu-fraction", "0.4",
@@ -335,7 +335,7 @@ def test_rollout_http_timeout_defaults_to_none_and_is_not_below_the_routers(tmp_
     allows: at least --router-request-timeout-secs, else sglang-router's own default."""
     from sglang_router.router_args import RouterArgs
 
-    from slime.engines.router import ROUTER_REQUEST_TIMEOUT_S
+    from slime.engine_flags import ROUTER_REQUEST_TIMEOUT_S
 
     assert RouterArgs.request_timeout_secs == ROUTER_REQUEST_TIMEOUT_S  # the installed router's default
     assert load_config(None, []).rollout.rollout_http_timeout_s is None

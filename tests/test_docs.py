@@ -27,7 +27,8 @@ import pytest
 import yaml
 
 from slime.cli import build_parser
-from slime.config import load_config, reference_markdown
+from slime.config import load_config
+from slime.config_reference import reference_markdown
 from slime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,7 +368,7 @@ REFUSAL_TABLES = {"slime's flags": "slime", "Megatron-LM launch flags": "Megatro
 
 
 def refused_table() -> str:
-    """The refused rows of `slime config reference` (slime/config.py reference_markdown) as one table."""
+    """The refused rows of `slime config reference` (slime/config_reference.py reference_markdown) as one table."""
     rows, owner = [], None
     for line in reference_markdown().splitlines():
         if line.startswith("## "):

@@ -1,5 +1,5 @@
 """Megatron-LM's `--no-X` fusion flags, checkpoint-loading flags and other launch flags on slime command lines (slime/megatron_flags.py,
-the checkpoint section of slime/config.py): they were refused as unknown options."""
+the checkpoint section in slime/config/checkpoint.py): they were refused as unknown options."""
 
 import dataclasses
 import logging
@@ -225,7 +225,8 @@ def test_launch_flags_in_a_megatron_config_path_role(tmp_path):
 
 
 def test_launch_table_shadows_nothing_and_the_reference_lists_it():
-    from slime.config import FIELD_SECTION, megatron_flag_names, reference_markdown
+    from slime.config import FIELD_SECTION, megatron_flag_names
+    from slime.config_reference import reference_markdown
 
     assert not set(LAUNCH) & (megatron_flag_names() | set(FIELD_SECTION) | set(NEGATED))
     assert all((flag.from_checkpoint is not None) == (flag.kind == "checkpoint") for flag in LAUNCH.values())

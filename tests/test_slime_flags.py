@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from slime.config import FIELD_SECTION, Config, _field_kind, load_config
+from slime.config_reference import classify, flag_table_markdown, summary
 from slime.errors import ConfigError
 from slime.slime_flags import (
     DEFAULTS_DIFFER,
@@ -19,11 +20,8 @@ from slime.slime_flags import (
     PLUGIN_ONLY,
     REFUSED,
     SlimeFlag,
-    classify,
-    flag_table_markdown,
     slime_flags,
     source_commit,
-    summary,
 )
 
 FLAGS = slime_flags()

@@ -1,15 +1,15 @@
 """Flags of THUDM/slime's launch scripts (scripts/*.sh at 624b824a) that this project answered with "unknown option"
 or "not a flag of SGLang": slime's PD-disaggregation flag (slime_flags.LAUNCHER_REFUSED), the SGLang flags the
-scripts spell by an older SGLang's names (sglang_server.RENAMED_SGLANG_ARGS), Megatron-LM's --fp8-format
+scripts spell by an older SGLang's names (engine_flags.RENAMED_SGLANG_ARGS), Megatron-LM's --fp8-format
 (megatron_flags.LAUNCH), and the scripts' Ray command lines' options (slime_flags.RAY_CLI)."""
 
 import logging
 
 import pytest
 
+from slime import engine_flags
 from slime.config import load_config
-from slime.engines import sglang_server
-from slime.engines.sglang_server import RENAMED_SGLANG_ARGS, pinned_sglang_flags, renamed_sglang_args
+from slime.engine_flags import RENAMED_SGLANG_ARGS, pinned_sglang_flags, renamed_sglang_args
 from slime.errors import ConfigError
 from slime.slime_flags import LAUNCHER_REFUSED, LAUNCHER_ROUTER, RAY_CLI, REFUSED, slime_flags
 
@@ -38,7 +38,7 @@ EXPECTED_RENAMES = {
 @pytest.fixture
 def pinned_only(monkeypatch):
     """Validate against the pinned 0.5.23 list even where SGLang happens to be installed."""
-    monkeypatch.setattr(sglang_server, "installed_sglang_flags", lambda: None)
+    monkeypatch.setattr(engine_flags, "installed_sglang_flags", lambda: None)
 
 
 # --- --prefill-num-servers: slime's prefill/decode disaggregation ------------------------------------------------
@@ -89,7 +89,7 @@ def test_slimes_router_timeout_flag_sets_the_routers_option(caplog):
 
 def test_router_table_targets_are_router_options_and_no_config_fields():
     from slime.config import FIELD_SECTION
-    from slime.engines.router import check_router_args
+    from slime.engine_flags import check_router_args
 
     for name, (option, _) in LAUNCHER_ROUTER.items():
         assert name.startswith("sglang_router_") and name not in FIELD_SECTION
@@ -145,9 +145,9 @@ def test_yaml_spelling_of_an_old_name_is_renamed(pinned_only, tmp_path):
 
 
 def test_an_installed_sglang_that_knows_the_old_name_keeps_it(monkeypatch):
-    """Validation follows the importable SGLang (sglang_server.known_sglang_flags); an older one has the old flag."""
+    """Validation follows the importable SGLang (engine_flags.known_sglang_flags); an older one has the old flag."""
     old_sglang = frozenset({"--cuda-graph-max-bs", "--mem-fraction-static"})
-    monkeypatch.setattr(sglang_server, "installed_sglang_flags", lambda: ("0.5.9", old_sglang))
+    monkeypatch.setattr(engine_flags, "installed_sglang_flags", lambda: ("0.5.9", old_sglang))
     assert load_config(None, ["--sglang-cuda-graph-max-bs", "64"]).sglang == {"cuda_graph_max_bs": 64}
     assert renamed_sglang_args({"cuda_graph_max_bs": 64}, old_sglang) == ({"cuda_graph_max_bs": 64}, {})
 

@@ -20,6 +20,9 @@ import random
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
+
+from slime.data.arithmetic import draw_problem
 
 if TYPE_CHECKING:
     import torch
@@ -44,14 +47,11 @@ class PretrainRecipe(BaseModel):
 
 def pretraining_conversations(recipe: PretrainRecipe, seed: int) -> list[list[dict[str, str]]]:
     """`num_examples` chat conversations of the pretraining task (bare answers, as the tiny kit's SFT), its
-    problems drawn as the kit draws its own (`slime.data.tiny._draw`)."""
-    from slime.data.tiny import DataRecipe, _draw
-
-    task = DataRecipe(ops=recipe.ops, train_digits=recipe.digits)
+    problems drawn as the kit draws its own (`slime.data.arithmetic`)."""
     rng = random.Random(f"{seed}:pretrain")
     conversations = []
     for _ in range(recipe.num_examples):
-        row = _draw(rng, rng.choice(recipe.digits), task)
+        row = draw_problem(rng, rng.choice(recipe.digits), recipe.ops)
         conversations.append([{"role": "user", "content": row["prompt"]},
                               {"role": "assistant", "content": row["label"]}])
     return conversations
@@ -61,7 +61,6 @@ def pretrain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, recipe:
              seed: int) -> float:
     """Train `model` in place on the pretraining task; the mean loss of the last epoch."""
     import torch
-    from tqdm.auto import tqdm
 
     rows = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=False) for c in
             pretraining_conversations(recipe, seed)]

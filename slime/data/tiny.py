@@ -30,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import slime
+from slime.data.arithmetic import draw_problem
 from slime.data.pretrain import PretrainRecipe, pretrain
 from slime.errors import ConfigError, DataFormatError
 
@@ -243,14 +244,7 @@ def padded_vocab_size(tokenizer_len: int, multiple: int) -> int:
 
 
 def _draw(rng: random.Random, digits: int, data: DataRecipe) -> dict[str, Any]:
-    """Both operands have exactly `digits` digits (the 1-digit tier includes 0), so a tier is a difficulty."""
-    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(data.ops)
-    if op == "-" and not data.allow_negative and a < b:
-        a, b = b, a
-    answer = a + b if op == "+" else a - b if op == "-" else a * b
-    meta = {"a": a, "b": b, "op": op, "digits": digits}
-    return {"prompt": f"{a}{op}{b}=", "label": str(answer), "metadata": meta}
+    return draw_problem(rng, digits, data.ops, data.allow_negative)
 
 
 def worked_answer(a: int, op: str, b: int) -> str:

@@ -1,8 +1,6 @@
-"""A short-lived engine fleet for stages that sample from one fixed policy (rejection sampling, evaluate).
+"""Engine fleets: for stages that sample from one fixed policy (rejection sampling, evaluate: an HF directory,
+`slime.stages.export.policy_hf_dir`), and the RL loop's rollout engines.
 
-`policy_hf_dir` turns the policy into something an engine can load: an HF directory is served as is, a
-Megatron checkpoint (or a `--save` root: its newest committed iteration) is exported to HF once, at a
-location the caller names, and that export is reused while it comes from the same checkpoint.
 `EngineFleet` is the one place engines are started: N engines of one model (built-in or SGLang,
 `engine.engine`; on GPUs each with `CUDA_VISIBLE_DEVICES` set to its devices) behind a fresh
 sglang-router. It knows every engine's URL, process and state, and can replace one by index (stop the
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -32,55 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from slime.config import LORA_HF_TO_MEGATRON, Config
-from slime.engines.process import flag_key, flags_to_argv
+import httpx
+
+from slime.config import Config
+from slime.engine_flags import external_engine_urls, flag_key
+from slime.engines.host import EngineHost, RemoteEngine
+from slime.engines.launch import launch_engine
 from slime.engines.router import SGLangRouter
 from slime.errors import ConfigError, EngineError, EngineStartError
 
 logger = logging.getLogger(__name__)
-
-
-def is_hf_dir(path: str) -> bool:
-    """True for a local HF model directory (it has a config.json)."""
-    return os.path.isfile(os.path.join(path, "config.json"))
-
-
-def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
-    """An HF directory to serve for `source`: itself when it is one, else its export at `export_uri`.
-
-    The export is made once: a committed export of the same checkpoint is reused, one of another
-    checkpoint is refused (ConfigError) rather than overwritten. No committed checkpoint under `source`
-    raises NotCommittedError naming it.
-    """
-    from slime.errors import NotCommittedError
-    from slime.stages.export import resolve_checkpoint, run_export
-    from slime.storage import is_committed, read_manifest
-    from slime.storage.staging import is_remote, local_copy, newest_committed
-
-    options = config.run.storage_options
-    if is_remote(source):  # in the store: a checkpoint (or --save root), or an HF export served as it is
-        checkpoint = newest_committed(source, options)
-        if checkpoint is None:
-            raise NotCommittedError(f"{source} holds no committed checkpoint (no iter_*/manifest.json)")
-        if read_manifest(checkpoint, options).kind == "hf_model":
-            return local_copy(config, checkpoint)
-    elif is_hf_dir(source):
-        return source
-    else:
-        checkpoint = resolve_checkpoint(source)
-    if is_committed(export_uri, options):
-        if read_manifest(export_uri, options).metadata.get("source_checkpoint") == checkpoint:
-            return local_copy(config, export_uri)
-        raise ConfigError(f"{export_uri} holds the export of another checkpoint than {checkpoint}; choose "
-                          "another output name or run_id")
-    export_config = config.model_copy(deep=True)
-    export_config.checkpoint.load = checkpoint
-    export_config.export.output_dir = export_uri
-    export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
-    export_config.export.merge = True  # engines serve full weights: a LoRA checkpoint is merged
-    logger.info("exporting %s to %s for serving", checkpoint, export_uri)
-    return local_copy(config, run_export(export_config)["hf_dir"])
-
 
 
 ROUTER_WAIT_S = 120.0
@@ -108,9 +66,6 @@ class EngineSlot:
                 "restarts": self.restarts, "devices": list(self.devices)}
 
 
-_launch_lock = threading.Lock()  # CUDA_VISIBLE_DEVICES is process-wide: one launch at a time
-
-
 def managed_router_args(router_args: dict[str, Any]) -> dict[str, Any]:
     """The router flags for a fleet: the user's, with the circuit breaker off unless they configure it.
 
@@ -124,93 +79,6 @@ def managed_router_args(router_args: dict[str, Any]) -> dict[str, Any]:
     if any(k.startswith("cb_") or k == "disable_circuit_breaker" for k in keys):
         return dict(router_args)
     return {**router_args, "disable_circuit_breaker": True}
-
-
-@contextlib.contextmanager
-def _visible_devices(devices: list[int]) -> Iterator[None]:
-    """`CUDA_VISIBLE_DEVICES` for a child started inside the block (hold `_launch_lock`)."""
-    if not devices:
-        yield
-        return
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
-SGLANG_STATIC_OF_SHARE = 0.8  # share_gpu: SGLang's static memory (weights + KV) within the engine's part
-
-
-def engine_memory_limit(config: Config) -> float | None:
-    """The `--mem-fraction-static` an engine gets when it shares its GPU with a train rank (`cluster.share_gpu`):
-    the built-in engine's whole memory cap (its slot KV cache is sized to fit), or for SGLang, whose flag
-    counts weights and KV cache only (CUDA graphs and activations come on top), 0.8 of the engine's part
-    unless `--sglang-mem-fraction-static` sets it. None when not sharing."""
-    if not config.cluster.share_gpu:
-        return None
-    rollout = config.cluster.gpu_fractions()[1]
-    if config.engine.engine == "sglang":
-        given = config.sglang_arg("mem_fraction_static")
-        return float(given) if given is not None else round(rollout * SGLANG_STATIC_OF_SHARE, 4)
-    return rollout
-
-
-def lora_engine_args(config: Config) -> dict[str, Any]:
-    """SGLang's LoRA launch flags under adapter sync (`sync.lora_sync: adapter`): `--enable-lora`, the adapter's
-    rank as `--max-lora-rank` and its HF module names as `--lora-target-modules` (what the PEFT directory the
-    trainer writes targets); the built-in engine takes the same flags. Empty otherwise."""
-    if config.sync.lora_sync != "adapter":
-        return {}
-    megatron = set(config.lora.megatron_targets())
-    modules = [hf for hf, linear in LORA_HF_TO_MEGATRON.items() if linear in megatron]
-    return {"enable_lora": True, "max_lora_rank": config.lora.lora_rank, "lora_target_modules": modules}
-
-
-def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, devices: list[int],
-                  keep: Any = None) -> str:
-    """Start engine `index` of a fleet in this process (built-in or SGLang, bound to `engine.engine_host`,
-    `CUDA_VISIBLE_DEVICES` = `devices`) and wait until it can generate; `keep(server)` receives the
-    server as soon as it exists (to stop it, also after a failed start). Returns the URL other nodes
-    reach it at: by this node's IP when it binds a wildcard address (the router may be on another node)."""
-    from slime.engines.builtin.launcher import start_builtin_engine
-    from slime.engines.sglang_server import SGLangEngine
-
-    c, host = config, config.engine.engine_host
-    keep = keep or (lambda server: None)
-    limit = engine_memory_limit(c) if devices else None  # on the CPU there is no GPU to share
-    if c.engine.engine == "sglang":
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
-        sglang_args = {**lora_engine_args(c), **c.sglang}  # flags the user gives win
-        sglang_args = sglang_args if limit is None else {**sglang_args, "mem_fraction_static": limit}
-        engine = SGLangEngine(model_dir, sglang_args=sglang_args, log_path=log_path, env=env, host=host)
-        keep(engine)
-        return reachable_url(engine.start().url, host)
-    extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
-    extra += flags_to_argv(lora_engine_args(c))
-    dtype = str(c.sglang_arg("dtype") or "auto")  # --sglang-dtype, checked when the config loads
-    with _launch_lock, _visible_devices(devices):
-        server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,
-                                           dtype=dtype, extra_args=extra)
-    keep(server)
-    return reachable_url(url, host)
-
-
-def reachable_url(url: str, bind_host: str) -> str:
-    """`url` of a server bound to `bind_host`, as another node reaches it: a wildcard bind (0.0.0.0)
-    is advertised by this node's IP when this process runs under Ray (by 127.0.0.1 otherwise)."""
-    if bind_host not in ("0.0.0.0", "", "::"):
-        return url
-    import ray
-
-    if not ray.is_initialized():
-        return url
-    ip = ray.util.get_node_ip_address()
-    return url.replace("://127.0.0.1:", f"://[{ip}]:" if ":" in ip else f"://{ip}:", 1)
 
 
 class EngineFleet:
@@ -305,8 +173,6 @@ class EngineFleet:
             slot.url = launch_engine(self.config, self.model_dir, log, slot.index, slot.devices, keep)
             return
         import ray
-
-        from slime.engines.host import EngineHost, RemoteEngine
 
         if slot.index not in self._host_actors:
             self._host_actors[slot.index] = ray.remote(EngineHost).options(**options).remote(
@@ -408,22 +274,8 @@ class EngineFleet:
             slot.state = "failed"
 
 
-def external_engine_urls(addrs: list[str]) -> list[str]:
-    """slime's --rollout-external-engine-addrs as base URLs: `host:port` or `http(s)://host:port`."""
-    urls = []
-    for addr in addrs:
-        url = addr.rstrip("/") if "://" in addr else f"http://{addr}"
-        host_port = url.split("://", 1)[1]
-        host, _, port = host_port.rpartition(":")
-        if not host or not port.isdigit() or "/" in host_port:
-            raise ConfigError(f"rollout_external_engine_addrs: {addr!r} is not host:port or http://host:port")
-        urls.append(url)
-    return urls
-
-
 def wait_external_engine(url: str, timeout_s: float = ROUTER_WAIT_S, interval_s: float = 0.5) -> None:
     """Wait until the engine a user started at `url` answers `/health_generate` (it can generate)."""
-    import httpx
 
     deadline = time.monotonic() + timeout_s
     last = "no answer"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import Config
+from slime.engines.launch import launch_engine
 
 
 class EngineHost:
@@ -26,8 +27,6 @@ class EngineHost:
 
     def launch(self, model_dir: str, log_path: str, index: int, devices: list[int]) -> tuple[str, int | None]:
         """Start engine `index` on this node (stopping the one this host ran before); its (URL, PID)."""
-        from slime.engines.fleet import launch_engine
-
         self.stop()
         path = Path(log_path)
         path.parent.mkdir(parents=True, exist_ok=True)  # the fleet's log directory is on another node

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 import httpx
 
@@ -34,13 +32,6 @@ _LOG_TAIL_LINES = 40
 _live: set[ServerProcess] = set()  # strong refs: a dropped, unstopped server is still stopped at exit
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (the OS picks it; another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def local_host(host: str) -> str:
     """The address a server bound to `host` is reached at: 127.0.0.1 for a wildcard bind ("0.0.0.0", "")."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -50,36 +41,6 @@ def server_url(host: str, port: int) -> str:
     """`http://host:port` of a server bound to `host` (see `local_host`; an IPv6 address in brackets)."""
     host = local_host(host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def flag_key(flag: str) -> str:
-    """A pass-through flag as a config key: `--mem-fraction-static` / `mem-fraction-static` -> `mem_fraction_static`."""
-    return flag.strip().lstrip("-").replace("-", "_")
-
-
-def flags_to_argv(flags: Mapping[str, Any]) -> list[str]:
-    """`{"mem_fraction_static": 0.7, "enable_x": True, "cuda_graph_bs": [1, 2]}` -> CLI arguments.
-
-    Keys are underscored names (`-` also accepted); the flag is `--` plus the name with dashes.
-    True -> bare flag; False or None -> omitted; list/tuple -> the flag once followed by every value
-    (argparse `nargs`); dict -> its JSON (e.g. `--json-model-override-args`); anything else ->
-    `str(value)`. Order follows the mapping.
-    """
-    argv: list[str] = []
-    for key, value in flags.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, list | tuple):
-            argv.append(flag)
-            argv.extend(str(v) for v in value)
-        elif isinstance(value, dict):
-            argv.extend([flag, json.dumps(value)])
-        else:
-            argv.extend([flag, str(value)])
-    return argv
 
 
 def _group_alive(pgid: int) -> bool:

@@ -21,10 +21,7 @@ code sends `/generate` to. Facts this module is built on, measured against 0.3.2
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import difflib
-import functools
 import logging
 import os
 import sys
@@ -36,81 +33,17 @@ from typing import Any, Self
 
 import httpx
 
+from slime.engine_flags import check_router_args, flag_key, flags_to_argv
 from slime.engines.client import EngineClient
-from slime.engines.process import (
-    ServerProcess,
-    find_free_port,
-    flag_key,
-    flags_to_argv,
-    local_host,
-    server_url,
-    start_server,
-)
+from slime.engines.process import ServerProcess, local_host, server_url, start_server
 from slime.errors import ConfigError, EngineError, EngineHTTPError, EngineStartError
+from slime.net import find_free_port
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICY = "round_robin"
-# sglang-router's RouterArgs.request_timeout_secs default: how long one attempt of a forwarded request may
-# take when --router-request-timeout-secs is not given (slime passes 14400; here the router keeps its own).
-# 0.3.2 retries an attempt it cut (--router-retry-max-retries): 2 s and a 5 s generate gave HTTP 500 after 10.4 s
-ROUTER_REQUEST_TIMEOUT_S = 1800.0
-
-# Router flags this class sets itself -> what controls them instead.
-RESERVED_ROUTER_ARGS: dict[str, str] = {
-    "host": "the router binds `engine.sglang_router_ip` (SGLangRouter `host`)",
-    "port": "`engine.sglang_router_port` (SGLangRouter `port`; None picks a free one)",
-    "prometheus_port": "SGLangRouter picks a free Prometheus port so that several routers can share a host",
-    "prometheus_host": "the Prometheus exporter binds the router host",
-    "worker_urls": "engines are registered by slime (SGLangRouter `worker_urls` / `add_worker`)",
-    "help": "it is not a router setting",
-}
-
-
 def _norm_url(url: str) -> str:
     return url.rstrip("/")
-
-
-@functools.cache
-def router_flags() -> frozenset[str] | None:
-    """Every `--flag` of the installed `sglang_router.launch_router` (None if it cannot be imported)."""
-    try:
-        from sglang_router.router_args import RouterArgs
-    except Exception as exc:
-        logger.warning("cannot import sglang_router (%s): router flags are not validated", exc)
-        return None
-    parser = argparse.ArgumentParser(add_help=False)
-    RouterArgs.add_cli_args(parser, use_router_prefix=False)
-    return frozenset(opt for action in parser._actions for opt in action.option_strings if opt.startswith("--"))
-
-
-def request_timeout_s(router_args: Mapping[str, Any]) -> float:
-    """The router's bound on one forwarded request: `request_timeout_secs` of the `router` pass-through
-    (any spelling of the key), else sglang-router's default."""
-    given = next((v for k, v in router_args.items() if flag_key(str(k)) == "request_timeout_secs"), None)
-    if given is None:
-        return ROUTER_REQUEST_TIMEOUT_S
-    try:
-        return float(given)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--router-request-timeout-secs must be a number of seconds, got {given!r}") from None
-
-
-def check_router_args(args: Mapping[str, Any]) -> None:
-    """Raise ConfigError unless every key is a real sglang-router flag that slime passes through."""
-    flags = router_flags()
-    problems: list[str] = []
-    for raw in args:
-        key = flag_key(str(raw))
-        dashed = key.replace("_", "-")
-        if key in RESERVED_ROUTER_ARGS:
-            problems.append(f"--router-{dashed} cannot be passed through: {RESERVED_ROUTER_ARGS[key]}")
-        elif flags is not None and f"--{dashed}" not in flags:
-            close = difflib.get_close_matches(f"--{dashed}", sorted(flags), n=1, cutoff=0.6)
-            hint = f"; did you mean --router-{close[0][2:]}?" if close else ""
-            problems.append(f"--router-{dashed} is not a flag of sglang_router.launch_router{hint}")
-    if problems:
-        raise ConfigError("invalid router pass-through argument(s):\n  " + "\n  ".join(problems))
 
 
 async def broadcast_to_workers(client: EngineClient, urls: Iterable[str], path: str, payload: Any = None,

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import psutil
+
 from slime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -180,7 +182,6 @@ class RayCluster:
 
 def _kill_processes_of(temp_dir: str) -> None:
     """Kill, by PID, the Ray processes a failed start left behind: they name our private temp dir."""
-    import psutil
 
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:

@@ -36,8 +36,10 @@ from typing import Any
 import httpx
 
 from slime.config import Config
+from slime.engines.client import EngineClient
 from slime.engines.fleet import LIVE, EngineFleet
 from slime.engines.health import HealthMonitor
+from slime.engines.router import broadcast_to_workers
 from slime.errors import ConfigError, EngineError
 from slime.rollout.outputs import flatten
 
@@ -285,9 +287,9 @@ class RolloutManager:
     # ------------------------------------------------------------------------- fully async
 
     def start_fully_async(self, version: int, next_rollout_id: int, state: dict[str, Any] | None) -> dict[str, Any]:
-        """Start continuous generation (`slime.rl.fully_async`) at engine weight `version`, the trainer's
+        """Start continuous generation (`slime.rollout.fully_async`) at engine weight `version`, the trainer's
         next batch being `next_rollout_id`; `state` (from a checkpoint) restores the groups it held."""
-        from slime.rl.fully_async import FullyAsyncRollout
+        from slime.rollout.fully_async import FullyAsyncRollout
 
         c = self.config
         self.generator = FullyAsyncRollout(self.args, self.data_source, batch_groups=c.rollout.rollout_batch_size,
@@ -352,9 +354,6 @@ class RolloutManager:
         return self._broadcast(self.fleet.urls(), "/weights_checker", {"action": action})
 
     def _broadcast(self, urls: list[str], path: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
-        from slime.engines.client import EngineClient
-        from slime.engines.router import broadcast_to_workers
-
         async def send() -> dict[str, Any]:
             async with EngineClient() as client:
                 return await broadcast_to_workers(client, urls, path, payload or {})

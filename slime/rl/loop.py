@@ -29,7 +29,10 @@ import time
 from typing import Any
 
 from slime.config import Config
-from slime.errors import ConfigError
+from slime.errors import ConfigError, NotCommittedError
+from slime.ray.placement import RayCluster, check_across_nodes, create_placement
+from slime.ray.rollout_manager import RolloutManager
+from slime.ray.train_group import TrainGroup
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
 from slime.rl.tracking import WandbLogger, check_wandb
@@ -137,8 +140,6 @@ class RLLoop:
         already: that Ray is used and left running); `setup` calls it when not called before."""
         import ray
 
-        from slime.ray.placement import RayCluster
-
         if not ray.is_initialized():
             with keep_sigterm_handler():  # ray.init's own handler aborts: the caller's stays
                 self.cluster = RayCluster.connect(self.config.cluster, num_cpus=self.num_cpus,
@@ -161,9 +162,6 @@ class RLLoop:
         import ray
 
         from slime.backends.megatron.checkpoint import latest_checkpoint
-        from slime.ray.placement import check_across_nodes, create_placement
-        from slime.ray.rollout_manager import RolloutManager
-        from slime.ray.train_group import TrainGroup
 
         t0 = time.monotonic()
         c = self.config
@@ -304,7 +302,6 @@ class RLLoop:
 
     def _stored_rollout(self, rollout_id: int) -> str:
         """--load-debug-rollout-data: the committed shard set its template names for `rollout_id`."""
-        from slime.errors import NotCommittedError
         from slime.storage import is_committed
 
         uri = self.config.run.load_debug_rollout_data.format(rollout_id=rollout_id)

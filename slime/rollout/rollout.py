@@ -39,13 +39,13 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, EngineError
-from slime.rl.staleness import staleness_metrics
 from slime.rollout.eval import eval_rollout, pass_at_k
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
 from slime.rollout.hooks import check_rollout_plugins
 from slime.rollout.http import close_engine_client, engine_client, router_url, worker_urls
 from slime.rollout.outputs import RolloutFnTrainOutput, flatten
+from slime.rollout.staleness import staleness_metrics
 from slime.rollout.state import GenerateState, RolloutEngineError, cancel, drain, first_error_of, group_state
 from slime.rollout.store import check_not_written, write_rollout
 from slime.types import Sample, Status
@@ -77,7 +77,7 @@ def _reward_value(args: Any, group: list[Any]) -> list[float] | None:
 def rollout_metrics(args: Any, kept: list[list[Any]], counts: Counter, reasons: Counter, elapsed: float,
                     new_tokens: int, trainer_version: int | None = None) -> dict[str, Any]:
     """Flat `rollout/...` metrics of one step (kept samples unless the name says otherwise); with the
-    `trainer_version` that will train them, their staleness (`async/staleness/*`, slime.rl.staleness)."""
+    `trainer_version` that will train them, their staleness (`async/staleness/*`, slime.rollout.staleness)."""
     samples = flatten(kept)
     lengths = [s.response_length for s in samples] or [0]
     rewards = [r for g in kept for r in (_reward_value(args, g) or [])]

@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import Config, stable_hash
-from slime.engines.fleet import is_hf_dir, policy_hf_dir, serve_policy
+from slime.engines.fleet import serve_policy
 from slime.errors import ConfigError, NotCommittedError
 from slime.rollout import generate_rollout, rollout_args
 from slime.rollout.eval import EvalDatasetConfig, eval_datasets, load_dataset
 from slime.rollout.rewards import check_reward_config
+from slime.stages.export import policy_hf_dir
 from slime.storage import (
     ArtifactStore,
     commit_directory,
@@ -52,7 +53,7 @@ from slime.storage import (
     reusable_manifest,
     write_samples,
 )
-from slime.storage.fs import join_uri, open_fs
+from slime.storage.fs import is_hf_dir, join_uri, open_fs
 from slime.storage.manifest import producer_info
 from slime.storage.staging import is_remote, newest_committed
 
@@ -191,7 +192,7 @@ class EvalPlan:
 
 def _policy_source(config: Config) -> str:
     """`checkpoint.load` (HF dir, checkpoint, or save root -> newest committed iteration), else `hf_checkpoint`."""
-    from slime.stages.export import resolve_checkpoint
+    from slime.backends.megatron.checkpoint import resolve_checkpoint
 
     load, hf = config.checkpoint.load, config.checkpoint.hf_checkpoint
     if load and is_remote(load):  # a checkpoint, save root or export in the store

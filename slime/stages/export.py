@@ -28,6 +28,7 @@ import torch
 
 from slime.config import Config
 from slime.errors import ConfigError, NotCommittedError
+from slime.storage.fs import is_hf_dir
 from slime.storage.staging import staged
 
 logger = logging.getLogger(__name__)
@@ -36,46 +37,6 @@ logger = logging.getLogger(__name__)
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
                   "tokenizer.model", "added_tokens.json")
-
-
-def resolve_checkpoint(load: str) -> str:
-    """`load` itself when it is a committed checkpoint, else the newest committed one under it."""
-    from slime.backends.megatron.checkpoint import latest_checkpoint
-    from slime.storage import is_committed
-
-    if is_committed(load):
-        return load
-    latest = latest_checkpoint(load)
-    if latest is None:
-        raise NotCommittedError(f"{load} holds no committed checkpoint (no iter_*/manifest.json)")
-    return latest
-
-
-def reference_checkpoint(checkpoint: Any) -> str:
-    """The checkpoint `checkpoint.ref_load` names (`checkpoint` a `CheckpointConfig`): its iteration
-    `ref_ckpt_step` when set (a remote root stages that iteration, slime/storage/staging.py), else as
-    `resolve_checkpoint`."""
-    return _iteration_checkpoint(checkpoint.ref_load, checkpoint.ref_ckpt_step, "ref_load", "ref_ckpt_step")
-
-
-def teacher_checkpoint(checkpoint: Any) -> str:
-    """The on-policy distillation teacher `checkpoint.opd_teacher_load` names: its iteration
-    `opd_teacher_ckpt_step` when set, else as `resolve_checkpoint` (as `reference_checkpoint`)."""
-    return _iteration_checkpoint(checkpoint.opd_teacher_load, checkpoint.opd_teacher_ckpt_step, "opd_teacher_load",
-                                 "opd_teacher_ckpt_step")
-
-
-def _iteration_checkpoint(root: str, step: int | None, root_field: str, step_field: str) -> str:
-    from slime.backends.megatron.checkpoint import iteration_dir
-    from slime.storage import is_committed
-
-    if step is None:
-        return resolve_checkpoint(root)
-    path = iteration_dir(root, step)
-    if not is_committed(path):
-        raise NotCommittedError(f"checkpoint.{step_field} {step}: {path} is not a committed "
-                                f"checkpoint (checkpoint.{root_field} must be a --save root holding it)")
-    return path
 
 
 def run_export(config: Config) -> dict[str, Any]:
@@ -90,7 +51,7 @@ def run_export(config: Config) -> dict[str, Any]:
 def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any]:
     """The export on local paths; `remote` names a staged checkpoint by its URL in the manifest."""
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
-    from slime.backends.megatron.checkpoint import load_model_checkpoint
+    from slime.backends.megatron.checkpoint import load_model_checkpoint, resolve_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
     from slime.stages.convert import vocab_padding
     from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
@@ -163,6 +124,42 @@ def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], 
         result["warning"] = extra["peft_base"]["warning"]
     return result
 
+
+
+def policy_hf_dir(config: Config, source: str, export_uri: str) -> str:
+    """An HF directory to serve for `source`: itself when it is one, else its export at `export_uri`.
+
+    The export is made once: a committed export of the same checkpoint is reused, one of another
+    checkpoint is refused (ConfigError) rather than overwritten. No committed checkpoint under `source`
+    raises NotCommittedError naming it.
+    """
+    from slime.backends.megatron.checkpoint import resolve_checkpoint
+    from slime.storage import is_committed, read_manifest
+    from slime.storage.staging import is_remote, local_copy, newest_committed
+
+    options = config.run.storage_options
+    if is_remote(source):  # in the store: a checkpoint (or --save root), or an HF export served as it is
+        checkpoint = newest_committed(source, options)
+        if checkpoint is None:
+            raise NotCommittedError(f"{source} holds no committed checkpoint (no iter_*/manifest.json)")
+        if read_manifest(checkpoint, options).kind == "hf_model":
+            return local_copy(config, checkpoint)
+    elif is_hf_dir(source):
+        return source
+    else:
+        checkpoint = resolve_checkpoint(source)
+    if is_committed(export_uri, options):
+        if read_manifest(export_uri, options).metadata.get("source_checkpoint") == checkpoint:
+            return local_copy(config, export_uri)
+        raise ConfigError(f"{export_uri} holds the export of another checkpoint than {checkpoint}; choose "
+                          "another output name or run_id")
+    export_config = config.model_copy(deep=True)
+    export_config.checkpoint.load = checkpoint
+    export_config.export.output_dir = export_uri
+    export_config.export.origin_hf_dir = config.export.origin_hf_dir or config.checkpoint.hf_checkpoint
+    export_config.export.merge = True  # engines serve full weights: a LoRA checkpoint is merged
+    logger.info("exporting %s to %s for serving", checkpoint, export_uri)
+    return local_copy(config, run_export(export_config)["hf_dir"])
 
 if __name__ == "__main__":
     from slime.cli import main

@@ -33,10 +33,11 @@ from typing import Any
 
 from slime.config import Config
 from slime.engines.client import EngineClient
-from slime.engines.fleet import policy_hf_dir, serve_policy
+from slime.engines.fleet import serve_policy
 from slime.errors import ConfigError, EngineError
 from slime.rollout.http import rollout_client
 from slime.rollout.rewards import check_reward_config, reward_samples
+from slime.stages.export import policy_hf_dir
 from slime.types import Sample, Status
 
 logger = logging.getLogger(__name__)

@@ -59,6 +59,7 @@ def _sft(config: Config) -> dict[str, Any]:
         latest_checkpoint,
         load_checkpoint,
         load_model_checkpoint,
+        resolve_checkpoint,
     )
     from slime.backends.megatron.freeze import freeze_callback
     from slime.backends.megatron.lora import LoraSpec, count_parameters, lora_callback
@@ -66,7 +67,6 @@ def _sft(config: Config) -> dict[str, Any]:
     from slime.backends.megatron.train import StepSettings, train_step
     from slime.data.sft import load_sft_samples
     from slime.stages.convert import megatron_dtype, vocab_padding
-    from slime.stages.export import resolve_checkpoint
     from slime.storage import is_committed
 
     hf_dir, save = config.checkpoint.hf_checkpoint, config.checkpoint.save

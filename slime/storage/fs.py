@@ -47,3 +47,9 @@ def join_uri(uri: str, *parts: str) -> str:
 
 def is_local(fs: AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def is_hf_dir(path: str) -> bool:
+    """True for a local HF model directory (it has a config.json): what engines serve and conversion reads, as
+    against a Megatron checkpoint or a `--save` root."""
+    return os.path.isfile(os.path.join(path, "config.json"))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from slime.engines.builtin.weights import on_device  # the group's daemon threads start on cuda:0
 from slime.engines.client import EngineClient
-from slime.engines.process import find_free_port
+from slime.net import find_free_port
 from slime.sync.common import (
     NamedTensors,
     SyncResult,

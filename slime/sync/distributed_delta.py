@@ -28,8 +28,8 @@ from collections.abc import Iterator
 
 import torch
 
+from slime.delta_codec import checksum, host_bytes
 from slime.sync.common import NamedTensors, SyncResult
-from slime.sync.delta import checksum, host_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from slime.engines.client import EngineClient
-from slime.engines.process import find_free_port
 from slime.errors import EngineHTTPError
+from slime.net import find_free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,9 +5,10 @@ import httpx
 import pytest
 
 from slime.config import load_config
-from slime.engines.fleet import EngineFleet, external_engine_urls, wait_external_engine
-from slime.engines.process import find_free_port
+from slime.engine_flags import external_engine_urls
+from slime.engines.fleet import EngineFleet, wait_external_engine
 from slime.errors import ConfigError, EngineError, EngineStartError
+from slime.net import find_free_port
 
 
 def test_external_addresses_are_urls():
@@ -53,7 +54,7 @@ def test_external_engine_serves_through_the_router_and_outlives_the_fleet(tiny_k
 def test_the_builtin_engine_runs_in_the_sglang_dtype(tiny_kit, tmp_path):
     """`--sglang-dtype` reaches the built-in engine as it reaches SGLang (auto is fp32 on the CPU: bf16 shows it
     was passed); a value neither runs in is refused when the config loads, naming the flag."""
-    from slime.engines.fleet import launch_engine
+    from slime.engines.launch import launch_engine
 
     servers = []
     config = load_config(None, ["--sglang-dtype", "bfloat16"])

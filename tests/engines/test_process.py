@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from proc_checks import port_free, running
 
-from slime.engines.process import ServerProcess, find_free_port, flags_to_argv, server_url, start_server
+from slime.engine_flags import flags_to_argv
+from slime.engines.process import ServerProcess, server_url, start_server
 from slime.errors import EngineStartError
+from slime.net import find_free_port
 
 pytestmark = pytest.mark.timeout(60)
 

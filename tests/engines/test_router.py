@@ -17,10 +17,11 @@ import httpx
 import pytest
 from proc_checks import port_free, running
 
+from slime.engine_flags import check_router_args
 from slime.engines.client import EngineClient
-from slime.engines.process import find_free_port
-from slime.engines.router import SGLangRouter, broadcast_to_workers, check_router_args
+from slime.engines.router import SGLangRouter, broadcast_to_workers
 from slime.errors import ConfigError, EngineError, EngineHTTPError
+from slime.net import find_free_port
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,14 +7,9 @@ import types
 
 import pytest
 
-from slime.engines import sglang_server
-from slime.engines.sglang_server import (
-    SGLangEngine,
-    build_sglang_command,
-    check_sglang_args,
-    known_sglang_flags,
-    pinned_sglang_flags,
-)
+from slime import engine_flags
+from slime.engine_flags import check_sglang_args, known_sglang_flags, pinned_sglang_flags
+from slime.engines.sglang_server import SGLangEngine, build_sglang_command
 from slime.errors import ConfigError, EngineStartError
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,7 +19,7 @@ SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 @pytest.fixture
 def pinned_only(monkeypatch):
     """Validate against the pinned 0.5.23 list even where SGLang happens to be installed."""
-    monkeypatch.setattr(sglang_server, "installed_sglang_flags", lambda: None)
+    monkeypatch.setattr(engine_flags, "installed_sglang_flags", lambda: None)
 
 
 def test_pinned_flag_list():
@@ -121,7 +116,7 @@ def test_installed_sglang_is_the_reference(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", fake)
     monkeypatch.setitem(sys.modules, "sglang.srt", srt)
     monkeypatch.setitem(sys.modules, "sglang.srt.server_args", server_args)
-    sglang_server.installed_sglang_flags.cache_clear()
+    engine_flags.installed_sglang_flags.cache_clear()
     try:
         version, flags = known_sglang_flags()
         assert version == "9.9.9" and "--brand-new-option" in flags and "--only-a-cli-alias" in flags
@@ -131,7 +126,7 @@ def test_installed_sglang_is_the_reference(monkeypatch):
         with pytest.raises(ConfigError, match="--sglang-mem-fraction-static is not a flag of SGLang 9.9.9"):
             check_sglang_args({"mem_fraction_static": 0.5})  # in 0.5.23's list, not in this version
     finally:
-        sglang_server.installed_sglang_flags.cache_clear()
+        engine_flags.installed_sglang_flags.cache_clear()
 
 
 def test_engine_validates_at_construction(pinned_only):

@@ -11,9 +11,9 @@ import torch
 from slot_models import build
 from transformers import DynamicCache
 
+from slime.engines.builtin.batch import left_padded, transformers_forward
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
-from slime.engines.builtin.scheduler import left_padded, transformers_forward
 from slime.engines.builtin.slots import SlotDecoder, add_rms_norm, silu_mul
 
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from slime.engines.process import find_free_port
+from slime.net import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = shutil.which("prefect", path=str(Path(sys.executable).parent))

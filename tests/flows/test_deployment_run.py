@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prefect_server import PREFECT, ROOT, PrefectServer, prefect_server, stop, tail
 
-from flows._report import artifact_key
 from flows.pipeline import OPTIONAL  # left out here: this test is about the deployment, not the stages
 from slime.storage import ArtifactStore, read_manifest
+from tasks._report import artifact_key
 
 TINY_CPU = "deployments/tiny-cpu.yaml"
 TERMINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect_server import PREFECT, ROOT, tail
 
-from slime.engines.process import find_free_port
+from slime.net import find_free_port
 from slime.storage import ArtifactStore
 
 START_TIMEOUT_S = 400  # server healthy (~50 s loaded), pools, six deployments, worker started

@@ -18,12 +18,12 @@ import tasks.convert
 import tasks.export
 import tasks.rejection_sampling
 import tasks.sft
-from flows._report import artifact_key
 from flows.export import export_flow
 from flows.pipeline import OPTIONAL, pipeline
 from slime.rl.metrics import outcome, outcome_differences, read_metrics
 from slime.storage import ArtifactStore, read_manifest
 from slime.storage.manifest import verify_files
+from tasks._report import artifact_key
 
 TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"
 

@@ -18,11 +18,11 @@ from prefect.artifacts import Artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 
-from flows._report import artifact_key
 from flows.evaluate import evaluate_flow
 from flows.rl import CURVE_NAME, rl_flow
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.rl import read_metrics
+from tasks._report import artifact_key
 from tasks.convert import convert
 
 TINY_CPU = Path(__file__).resolve().parents[2] / "deployments" / "tiny-cpu.yaml"

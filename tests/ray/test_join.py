@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from slime.config import ClusterConfig
-from slime.engines.process import ServerProcess, find_free_port
+from slime.engines.process import ServerProcess
+from slime.net import find_free_port
 from slime.ray.placement import PlacementError, RayCluster, create_placement
 
 HEAD_CPUS = 3

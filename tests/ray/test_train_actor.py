@@ -8,7 +8,7 @@ import pytest
 
 from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
-from slime.ray.train_actor import rank_share, steps_per_rollout, total_train_steps
+from slime.ray.train_data import rank_share, steps_per_rollout, total_train_steps
 
 
 def _config(**train) -> Config:
@@ -53,9 +53,8 @@ def _save_root(root: str, steps: tuple[int, ...]) -> None:
 
 
 def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
-    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.backends.megatron.checkpoint import iteration_dir, reference_checkpoint
     from slime.errors import NotCommittedError
-    from slime.stages.export import reference_checkpoint
 
     ref = str(tmp_path / "ref")
     _save_root(ref, (3, 7))
@@ -69,9 +68,8 @@ def test_ref_ckpt_step_picks_that_iteration_of_ref_load(tmp_path):
 
 
 def test_opd_teacher_ckpt_step_picks_that_iteration_of_opd_teacher_load(tmp_path):
-    from slime.backends.megatron.checkpoint import iteration_dir
+    from slime.backends.megatron.checkpoint import iteration_dir, teacher_checkpoint
     from slime.errors import NotCommittedError
-    from slime.stages.export import teacher_checkpoint
 
     teacher = str(tmp_path / "teacher")
     _save_root(teacher, (2, 4))
@@ -86,7 +84,7 @@ def test_opd_teacher_ckpt_step_picks_that_iteration_of_opd_teacher_load(tmp_path
 
 
 def test_balance_data_evens_the_ranks_workloads():
-    from slime.ray.train_actor import rank_share
+    from slime.ray.train_data import rank_share
 
     # one step of 8 samples over 2 ranks; strided shares cost 10+1+9+3 = 23 and 1+1+2+3 = 7
     costs = [10.0, 1.0, 1.0, 1.0, 9.0, 2.0, 3.0, 3.0]
@@ -101,7 +99,7 @@ def test_balance_data_evens_the_ranks_workloads():
 
 
 def test_debug_rollout_subsample_keeps_whole_groups_from_both_ends():
-    from slime.ray.train_actor import subsample_rollout
+    from slime.ray.train_data import subsample_rollout
 
     rows = list(range(24))  # 6 groups of 4
     assert subsample_rollout(rows, 0.5, 4) == [0, 1, 2, 3, 16, 17, 18, 19, 20, 21, 22, 23]  # 3 groups: 1 + 2
@@ -143,7 +141,7 @@ def test_custom_convert_samples_to_train_data_replaces_rewards_and_masks(make_mo
 
 
 def test_custom_convert_must_return_slimes_train_data():
-    from slime.ray.train_actor import apply_train_data
+    from slime.ray.train_data import apply_train_data
     from slime.types import Sample
 
     samples = [Sample(tokens=[1, 2], response_length=1)]

@@ -1,4 +1,4 @@
-"""slime's --ci-test invariants (slime.rl.ci) on hand-made metrics: each check passes at its bound's good
+"""slime's --ci-test invariants (slime.ray.ci_checks) on hand-made metrics: each check passes at its bound's good
 side and fails, naming itself, on the other."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from slime.config import load_config
 from slime.errors import ConfigError, InvariantError
-from slime.rl.ci import KL_BOUND, check_ci, check_grad_norms, ci_failures, save_grad_norms
+from slime.ray.ci_checks import KL_BOUND, check_ci, check_grad_norms, ci_failures, save_grad_norms
 
 
 def _settings(*flags: str):

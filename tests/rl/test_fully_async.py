@@ -1,4 +1,4 @@
-"""Fully async generation (slime.rl.fully_async) against two built-in engines behind the real router,
+"""Fully async generation (slime.rollout.fully_async) against two built-in engines behind the real router,
 driven as the RL loop drives it: take a batch, pause, move the engines' weight version on, resume.
 
 The weights themselves do not change here (only the version label, through the engines' real
@@ -20,10 +20,10 @@ import async_plugins  # noqa: E402
 
 from slime.config import FIELD_SECTION, Config  # noqa: E402
 from slime.data.source import RolloutDataSource  # noqa: E402
-from slime.rl.fully_async import FullyAsyncRollout  # noqa: E402
-from slime.rl.staleness import sample_lag, version_ranges  # noqa: E402
 from slime.rollout import rollout_args  # noqa: E402
+from slime.rollout.fully_async import FullyAsyncRollout  # noqa: E402
 from slime.rollout.outputs import flatten  # noqa: E402
+from slime.rollout.staleness import sample_lag, version_ranges  # noqa: E402
 
 BATCH = 2
 GROUP = 2

@@ -15,8 +15,8 @@ from conftest import engine_requests
 
 from slime.data.prompts import load_prompts
 from slime.data.source import RolloutDataSource
-from slime.engines.process import find_free_port
 from slime.errors import AlreadyCommittedError
+from slime.net import find_free_port
 from slime.plugins import PluginError
 from slime.rollout import (
     FilterStarvedError,

@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, port: int, root: str, clash: bool) -> None:
 
 
 def run_ranks(root: Path, clash: bool) -> list[str]:
-    from slime.engines.process import find_free_port
+    from slime.net import find_free_port
 
     mp.spawn(_rank, args=(3, find_free_port("127.0.0.1"), str(root), clash), nprocs=3, join=True)
     return [(root / f"result-{r}").read_text() for r in range(3)]
@@ -112,8 +112,8 @@ def test_a_save_from_two_nodes_is_committed_in_the_store_with_every_nodes_files(
 def test_ref_ckpt_step_stages_that_iteration_of_a_remote_ref_load(tmp_path, monkeypatch):
     """`checkpoint.ref_ckpt_step` names an older iteration of a remote `ref_load` root: the driver and each
     node stage that iteration (not the newest), and the train rank's reference resolves to its copy."""
+    from slime.backends.megatron.checkpoint import reference_checkpoint
     from slime.backends.megatron.lora_weights import base_source
-    from slime.stages.export import reference_checkpoint
     from slime.storage.staging import staged
 
     remote = "memory://ref-step/sft/checkpoint"
@@ -145,7 +145,7 @@ def test_ref_ckpt_step_stages_that_iteration_of_a_remote_ref_load(tmp_path, monk
 def test_opd_teacher_load_is_staged_like_ref_load(tmp_path, monkeypatch):
     """A remote `checkpoint.opd_teacher_load` root with `opd_teacher_ckpt_step`: the driver and a train rank's node
     stage that iteration, and the rank's teacher resolves to its copy; an uncommitted step is refused by name."""
-    from slime.stages.export import teacher_checkpoint
+    from slime.backends.megatron.checkpoint import teacher_checkpoint
     from slime.storage.staging import staged
 
     remote = "memory://opd-step/rl/checkpoint"

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from slime.backends.megatron.hf_export import save_hf_weights
+from slime.delta_codec import checksum, decode, encode, tensor_bytes
 from slime.errors import CorruptArtifactError
-from slime.sync.delta import INDEX, apply_delta, checksum, decode, encode, tensor_bytes, write_delta
+from slime.sync.delta import INDEX, apply_delta, write_delta
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite"])

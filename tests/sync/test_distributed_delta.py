@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from slime.delta_codec import checksum, host_bytes
 from slime.engines.builtin.sampling import BadRequestError
 from slime.sync.common import SyncResult, in_thread
-from slime.sync.delta import checksum, host_bytes
 from slime.sync.distributed import GROUP_NAME, _TrainerGroup, trainer_store
 from slime.sync.distributed_delta import CHUNK, DeltaFilter, fingerprint
 

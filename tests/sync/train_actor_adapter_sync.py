@@ -16,7 +16,7 @@ import httpx
 
 from slime.backends.megatron.logprobs import compute_log_probs
 from slime.config import Config
-from slime.engines.process import find_free_port
+from slime.net import find_free_port
 from slime.ray.train_actor import TrainActor
 from slime.rollout.multiturn import generate_turn
 from slime.storage import write_samples

@@ -51,9 +51,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from slime.compiled import triton_on_cuda
-from slime.engines.process import find_free_port
 from slime.errors import ConfigError
 from slime.megatron_flags import checkpoint_mismatches
+from slime.net import find_free_port
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,15 @@ from slime.backends.megatron.optimizer import (
     untie_adam_steps,
 )
 from slime.backends.megatron.rng_state import capture_rng_state, restore_rng_state
-from slime.errors import ConfigError, CorruptArtifactError, NotCommittedError
+from slime.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    CorruptArtifactError,
+    ModelOnlyCheckpointError,
+    NotCommittedError,
+    UncommittedCheckpointError,
+)
 from slime.storage.fs import join_uri, open_fs
 from slime.storage.manifest import (
     FileEntry,
@@ -67,22 +75,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KIND = "checkpoint"
 TRAINING_STATE = "training_state.json"
 _ITER = re.compile(r"^iter_(\d{7})$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be loaded the way it was asked for."""
-
-
-class UncommittedCheckpointError(CheckpointError, NotCommittedError):
-    """The directory has no committed manifest (never a checkpoint, or its save did not finish)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was saved from a different model, layout or schedule than the one loading it."""
-
-
-class ModelOnlyCheckpointError(CheckpointError):
-    """A full training-state resume was asked of a checkpoint that holds the model only."""
 
 
 @dataclass
@@ -108,6 +100,43 @@ def latest_checkpoint(save: str) -> str | None:
         if is_committed(path):
             return path
     return None
+
+
+# ----------------------------------------------------------------------------- which checkpoint
+
+
+def resolve_checkpoint(load: str) -> str:
+    """`load` itself when it is a committed checkpoint, else the newest committed one under it."""
+    if is_committed(load):
+        return load
+    latest = latest_checkpoint(load)
+    if latest is None:
+        raise NotCommittedError(f"{load} holds no committed checkpoint (no iter_*/manifest.json)")
+    return latest
+
+
+def reference_checkpoint(checkpoint: Any) -> str:
+    """The checkpoint `checkpoint.ref_load` names (`checkpoint` a `CheckpointConfig`): its iteration
+    `ref_ckpt_step` when set (a remote root stages that iteration, slime/storage/staging.py), else as
+    `resolve_checkpoint`."""
+    return _iteration_checkpoint(checkpoint.ref_load, checkpoint.ref_ckpt_step, "ref_load", "ref_ckpt_step")
+
+
+def teacher_checkpoint(checkpoint: Any) -> str:
+    """The on-policy distillation teacher `checkpoint.opd_teacher_load` names: its iteration
+    `opd_teacher_ckpt_step` when set, else as `resolve_checkpoint` (as `reference_checkpoint`)."""
+    return _iteration_checkpoint(checkpoint.opd_teacher_load, checkpoint.opd_teacher_ckpt_step, "opd_teacher_load",
+                                 "opd_teacher_ckpt_step")
+
+
+def _iteration_checkpoint(root: str, step: int | None, root_field: str, step_field: str) -> str:
+    if step is None:
+        return resolve_checkpoint(root)
+    path = iteration_dir(root, step)
+    if not is_committed(path):
+        raise NotCommittedError(f"checkpoint.{step_field} {step}: {path} is not a committed "
+                                f"checkpoint (checkpoint.{root_field} must be a --save root holding it)")
+    return path
 
 
 # ----------------------------------------------------------------------------- save

@@ -38,70 +38,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from slime.errors import ConfigError
+from slime.megatron_flags import SCOPES, check_options, option_problems, requested  # noqa: F401 (this module's API)
 
-SCOPES = ("full", "attn", "mlp")  # the local implementation graphs the whole dense layer for each
 _CAPTURED: weakref.WeakKeyDictionary[Any, frozenset[tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def requested(megatron: Mapping[str, Any]) -> bool:
-    """Whether the megatron pass-through options ask for megatron-core's local CUDA graphs
-    (`cuda_graph_impl: local`, or the deprecated `enable_cuda_graph: true` megatron maps onto it)."""
-    return megatron.get("cuda_graph_impl") == "local" or bool(megatron.get("enable_cuda_graph"))
-
-
-def _scopes(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [s.strip() for s in value.split(",") if s.strip()]
-    if isinstance(value, list | tuple):
-        return [str(s) for s in value]
-    return [str(value)]
-
-
-def option_problems(megatron: Mapping[str, Any], *, offload_train: bool,
-                    dynamic_batch: bool) -> list[tuple[str, str]]:
-    """(field, why) for each CUDA-graph option of `megatron` this trainer cannot run; empty when fine.
-    `offload_train`: the train ranks offload between steps (colocated); `dynamic_batch`: the micro-batch
-    shapes change from step to step (train.use_dynamic_batch_size)."""
-    problems: list[tuple[str, str]] = []
-    impl = megatron.get("cuda_graph_impl", "none")
-    if impl not in ("none", "local", "transformer_engine"):
-        problems.append(("megatron.cuda_graph_impl", f"{impl!r} is not one of none, local, transformer_engine"))
-    if impl == "transformer_engine" or megatron.get("external_cuda_graph"):
-        field = "megatron.cuda_graph_impl" if impl == "transformer_engine" else "megatron.external_cuda_graph"
-        problems.append((field, "Transformer Engine's graphs (make_graphed_callables) are captured by Megatron-LM's "
-                                "training loop, which this trainer does not run: use cuda_graph_impl=local, megatron-core's "
-                                "own per-layer graphs (no Transformer Engine needed)"))
-    if not requested(megatron):
-        return problems
-    unknown = [s for s in _scopes(megatron.get("cuda_graph_scope")) if s not in SCOPES]
-    if unknown:
-        why = ("captures the whole iteration from Megatron-LM's training loop, outside megatron-core's schedules"
-               if unknown[0] == "full_iteration" else "applies to MoE or Mamba layers, which these dense models lack")
-        problems.append(("megatron.cuda_graph_scope", f"{unknown[0]!r} {why}; leave cuda_graph_scope unset "
-                                                      "(each transformer layer is one graph)"))
-    if megatron.get("recompute_granularity") == "full" or megatron.get("recompute_method"):
-        problems.append(("megatron.recompute_granularity", "full activation recomputation is only supported by "
-                                                           "megatron with full-iteration graphs: use "
-                                                           "recompute_granularity=selective or no graphs"))
-    if offload_train:
-        problems.append(("cluster.offload_train", "the colocated offload moves the weights and gradient buffers to "
-                                                  "new GPU addresses, and the captured graphs keep the old ones: "
-                                                  "run without colocate/offload_train to use cuda_graph_impl=local"))
-    if dynamic_batch:
-        problems.append(("train.use_dynamic_batch_size", "dynamic batching changes the micro-batch shapes every step, "
-                                                         "and graphs replay only the first step's shapes: use a fixed "
-                                                         "micro_batch_size with cuda_graph_impl=local"))
-    return problems
-
-
-def check_options(megatron: Mapping[str, Any], *, offload_train: bool = False, dynamic_batch: bool = False) -> None:
-    """`option_problems` as a ConfigError (the first problem), for callers without a config tree."""
-    problems = option_problems(megatron, offload_train=offload_train, dynamic_batch=dynamic_batch)
-    if problems:
-        field, why = problems[0]
-        raise ConfigError(f"{field}: {why}")
 
 
 def check_device(megatron: Mapping[str, Any]) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slime.errors import ConfigError
+from slime.errors import CheckpointMismatchError, ConfigError
 
 ADAPTER_PARAMS = ("lora_a", "lora_b")
 
@@ -343,8 +343,6 @@ def base_of(model: torch.nn.Module) -> dict[str, str] | None:
 
 def check_base(model: torch.nn.Module, saved: dict[str, str] | None, path: str) -> None:
     """Refuse adapters saved on another base than the one loaded into `model`."""
-    from slime.backends.megatron.checkpoint import CheckpointMismatchError
-
     current = base_of(model)
     if current is None:
         raise ConfigError(f"{path} holds LoRA adapters: load the base weights first (lora.set_base records them)")

@@ -21,8 +21,8 @@ import torch
 
 from slime.backends.megatron import lora
 from slime.backends.megatron.bridge import _local_to_global, gather_tensor_parallel
-from slime.engines.fleet import is_hf_dir
 from slime.errors import ConfigError
+from slime.storage.fs import is_hf_dir
 
 
 @torch.no_grad()

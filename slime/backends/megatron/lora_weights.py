@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from slime.backends.megatron import lora
-from slime.engines.fleet import is_hf_dir
 from slime.errors import ConfigError
+from slime.storage.fs import is_hf_dir
 
 logger = logging.getLogger(__name__)
 
 
 def lora_checkpoint(path: str | None) -> str | None:
     """The committed checkpoint `path` names when it holds LoRA adapters, else None."""
-    from slime.stages.export import resolve_checkpoint
+    from slime.backends.megatron.checkpoint import resolve_checkpoint
     from slime.storage import is_committed, read_manifest
 
     if not path or (not is_committed(path) and is_hf_dir(path)):
@@ -39,7 +39,7 @@ def lora_checkpoint(path: str | None) -> str | None:
 
 def base_source(config: Any) -> str:
     """The base weights a LoRA stage starts on (module docstring)."""
-    from slime.stages.export import reference_checkpoint, resolve_checkpoint
+    from slime.backends.megatron.checkpoint import reference_checkpoint, resolve_checkpoint
 
     ck = config.checkpoint
     if ck.load and not lora_checkpoint(ck.load):

@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
+from slime.engines.builtin.batch import Request
 from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
 from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
-from slime.engines.builtin.scheduler import Request, Scheduler
+from slime.engines.builtin.scheduler import Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
 from slime.errors import ConfigError
 from slime.offload import HostParking

@@ -5,11 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from slime.engines.process import ServerProcess, find_free_port, local_host, server_url, start_server
-
-# the built-in engine's --dtype values: SGLang's, aliases included (half, float); "auto" is bf16 on CUDA and fp32
-# on the CPU. Here, free of torch, for the config check; the engine maps them (engine.py `_resolve_dtype`)
-DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+from slime.engines.process import ServerProcess, local_host, server_url, start_server
+from slime.net import find_free_port
 
 
 def start_builtin_engine(

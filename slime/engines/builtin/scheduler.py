@@ -18,6 +18,14 @@ so the GPU computes while the host records tokens and answers finished requests.
 Control commands (weight updates, cache flush, memory release) run on the model thread between
 steps, so they never race a forward pass. `pause()` stops stepping without touching running
 requests (SGLang's in-place pause), `abort()` finishes requests with the tokens they have.
+
+The class here is the scheduler's face (start/stop, `submit`, `abort`, `pause`/`resume`, `run_command`, `load`)
+and its model thread (`_run`, `_step`, and where the two caches part: `_prefill`, `_merge`, `_decode`,
+`_drop_finished`); its other concerns live beside it as the parts it is made of:
+`scheduler_dynamic.DynamicCachePath` (the `transformers` prefill and the `DynamicCache` rows),
+`scheduler_slots.SlotCachePath` (the slot cache's prefill, overlapped decode and compaction) and
+`scheduler_tokens.TokenChoice` (sampling, recording and stop checks); the request and batch types and the
+padded `transformers` forward in `batch.py`.
 """
 
 from __future__ import annotations
@@ -33,103 +41,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from slime.engines.builtin.batch import Request, _Batch, _SlotBatch
 from slime.engines.builtin.fusion import ProjectionFusion
-from slime.engines.builtin.sampling import BadRequestError, SamplingParams, sample
+from slime.engines.builtin.sampling import BadRequestError, SamplingParams
+from slime.engines.builtin.scheduler_dynamic import DynamicCachePath
+from slime.engines.builtin.scheduler_slots import SlotCachePath
+from slime.engines.builtin.scheduler_tokens import TokenChoice
 from slime.engines.builtin.slots import SlotDecoder, slot_support
 from slime.engines.builtin.stats import BusyStats
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Request:
-    """One generation request and its progress."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    rng: random.Random  # this request's own random stream: its samples do not depend on the batch
-    done: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.perf_counter)
-    logprob_start_len: int = -1  # >= 0: also score the prompt from this position (SGLang's field)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    matched_stop: str | None = None
-    abort_requested: bool = False
-    # set by `submit`: a token in `stop_ids` or reaching `limit` tokens may end the request (the
-    # per-token fast check of `_choose`; `_check_stop` decides)
-    stop_ids: frozenset[int] = frozenset()
-    limit: int = 0
-
-
-@dataclass
-class _Batch:
-    """Running rows: their requests, the shared cache and the validity mask of its columns."""
-
-    requests: list[Request]
-    cache: DynamicCache
-    mask: torch.Tensor  # [B, T] long: 1 where the cache column holds a real token of that row
-    next_tokens: torch.Tensor  # [B] the token each row feeds at the next decode step
-
-
-@dataclass
-class _SlotBatch:
-    """Running rows in slot mode: row i is slot i and holds `lengths[i]` tokens."""
-
-    requests: list[Request]
-    next_tokens: torch.Tensor  # [B]
-    lengths: list[int]
-    # logits [B, V] of the decode already launched with `next_tokens` (whose positions `lengths`
-    # already counts), or None: see `Scheduler._decode_slots`
-    pending: torch.Tensor | None = None
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    if width == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids, attention mask and position ids [B, width] of `prompts` left-padded (with 0) to the longest,
-    built on the host and copied to `device`: the `transformers` prefill's inputs."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def transformers_forward(model: Any, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                         cache: DynamicCache, all_positions: bool = False) -> torch.Tensor:
-    """The `transformers` model's fp32 logits [B, V] of the last position, or [B, T, V] of every position when
-    asked, its keys/values appended to `cache`."""
-    # without padding the mask says nothing: leaving it out lets attention skip building one
-    mask = None if bool(mask.all()) else mask
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
-    return out.logits.float() if all_positions else out.logits[:, -1, :].float()
-
-
-class Scheduler:
+class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
     """Owns the model; `submit` from any thread or event loop, results arrive on the caller's loop."""
 
     def __init__(
@@ -454,18 +382,6 @@ class Scheduler:
         self._drop_finished()
         self.steps += 1
 
-    def _score_prompts(self, requests: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
-        """SGLang's input_token_logprobs: log p(token_i | tokens_<i) for i >= logprob_start_len,
-        None for the first token of the sequence (nothing predicts it)."""
-        logprobs = torch.log_softmax(logits[:, :-1, :], dim=-1).gather(2, ids[:, 1:].unsqueeze(2)).squeeze(2)
-        width = ids.shape[1]
-        for row, request in enumerate(requests):
-            if request.logprob_start_len < 0:
-                continue
-            n = len(request.input_ids)
-            values = [None] + logprobs[row, width - n : width - 1].tolist()
-            request.input_logprobs = values[request.logprob_start_len :]
-
     def _prefill(self, requests: list[Request], generate: bool = True) -> None:
         """Prefill an admitted group and sample its first tokens (or only score its prompts). The slot
         prefill (`_prefill_slots`) takes groups that generate and score no prompt token; the `transformers`
@@ -476,219 +392,22 @@ class Scheduler:
         if generate and self.slot_prefill and all(r.logprob_start_len < 0 for r in requests):
             self._prefill_slots(requests)
             return
-        ids, mask, positions = left_padded([r.input_ids for r in requests], self.device)
-        cache = DynamicCache(config=self.model.config)
-        scoring = any(r.logprob_start_len >= 0 for r in requests)
-        logits = transformers_forward(self.model, ids, mask, positions, cache, all_positions=scoring)
-        if scoring:
-            self._score_prompts(requests, logits, ids)
-            logits = logits[:, -1, :]
-        if not generate:
-            for request in requests:
-                self._finish(request, {"type": "length", "length": 0})
+        self._prefill_transformers(requests, generate)
+
+    def _merge(self, new: _Batch) -> None:
+        """A prefilled group joins the running rows: copied into the next free slots, or merged into the shared
+        `DynamicCache`."""
+        if self.kv_cache == "slots":
+            self._merge_slots(new)
             return
-        tokens = self._choose(requests, logits)
-        self._merge(_Batch(requests, cache, mask, tokens))
+        self._merge_dynamic(new)
 
     def _decode(self) -> None:
         batch = self._batch  # every row is running: finished rows were dropped after prefill and aborts
         if isinstance(batch, _SlotBatch):
             self._decode_slots(batch)
             return
-        start = time.perf_counter()
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
-        positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
-        logits = transformers_forward(self.model, batch.next_tokens.unsqueeze(1), batch.mask, positions,
-                                      batch.cache)
-        launched = time.perf_counter()
-        tokens, logprobs = self._sample(batch.requests, logits)
-        sampled = time.perf_counter()
-        host = self._copy_to_host(tokens, logprobs)()
-        fetched = time.perf_counter()
-        self._record(batch.requests, *host)
-        batch.next_tokens = tokens
-        end = time.perf_counter()
-        self.stats.decoded(len(batch.requests), launched - start, sampled - launched, fetched - sampled,
-                           end - fetched, end - start)
-
-    def _decode_slots(self, batch: _SlotBatch) -> None:
-        """One slot-cache step, overlapped with the host: the sampled tokens stay on the device and
-        feed the next decode, launched before this step's tokens reach the host; its logits wait in
-        `batch.pending` while the host records this step (stop checks, replies), so the GPU is not
-        idle during that bookkeeping. Rows that finish now were decoded once more for nothing; their
-        pending rows are dropped with them (`_compact_slots`). Nothing is launched ahead while
-        requests wait to join (their rows would lack pending logits), nor when every row reaches its
-        token limit with this step (known on the host: a burst of equal-length requests, as an RL
-        rollout's, would otherwise end on one whole decode step for nothing)."""
-        start = time.perf_counter()
-        if batch.pending is not None:
-            logits, batch.pending = batch.pending, None
-        else:
-            logits = self._slots.decode(batch.next_tokens, batch.lengths)
-            batch.lengths = [n + 1 for n in batch.lengths]
-        launched = time.perf_counter()
-        tokens, logprobs = self._sample(batch.requests, logits)
-        batch.next_tokens = tokens
-        fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
-        sampled = time.perf_counter()
-        if (self.overlap and not self._waiting and self._inbox.empty()
-                and any(len(r.output_ids) + 1 < r.limit for r in batch.requests)):
-            batch.pending = self._slots.decode(tokens, batch.lengths)
-            batch.lengths = [n + 1 for n in batch.lengths]
-            self.decodes_ahead += 1
-        ahead = time.perf_counter()
-        host = fetch()
-        fetched = time.perf_counter()
-        self._record(batch.requests, *host)
-        end = time.perf_counter()
-        self.stats.decoded(len(batch.requests), (launched - start) + (ahead - sampled), sampled - launched,
-                           fetched - ahead, end - fetched, end - start)
-
-    def _discard_pending(self) -> None:
-        """Forget the decode launched ahead: the next step feeds the same tokens at the same
-        positions again (rewriting the same cache entries)."""
-        batch = self._batch
-        if isinstance(batch, _SlotBatch) and batch.pending is not None:
-            batch.pending = None
-            batch.lengths = [n - 1 for n in batch.lengths]
-
-    def _choose(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sample the next token of every row that is still running and record it."""
-        tokens, logprobs = self._sample(requests, logits)
-        self._record(requests, *self._copy_to_host(tokens, logprobs)())
-        return tokens
-
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launch the sampler: tokens and their log-probs, on the logits' device (no host sync)."""
-        for row, request in enumerate(requests):
-            if len(request.output_ids) < request.params.min_new_tokens:
-                banned = list(request.params.stop_token_ids) + ([] if request.params.ignore_eos else list(self.eos_ids))
-                if banned:
-                    logits[row, banned] = float("-inf")
-        p = [r.params for r in requests]
-        tokens, logprobs = sample(  # parameters built on the host: `sample` moves them without a sync
-            logits,
-            torch.tensor([x.temperature for x in p], dtype=torch.float32),
-            torch.tensor([x.top_p for x in p], dtype=torch.float32),
-            torch.tensor([x.top_k for x in p], dtype=torch.long),
-            torch.tensor([r.rng.random() for r in requests], dtype=torch.float64),
-            compiled=self.compile_sampler,
-        )
-        return tokens, logprobs
-
-    def _record(self, requests: list[Request], token_list: list[int], logprob_list: list[float]) -> None:
-        """Append each running row's token and log-prob (host lists) and check whether it stops."""
-        for request, token, logprob in zip(requests, token_list, logprob_list, strict=True):
-            if request.finish_reason is None:
-                output = request.output_ids
-                output.append(token)
-                request.output_logprobs.append(logprob)
-                self.generated_tokens += 1
-                # one set lookup per token at 256 rows; the full check only when it may stop
-                if token in request.stop_ids or request.params.stop or len(output) >= request.limit:
-                    self._check_stop(request)
-
-    def _copy_to_host(self, *tensors: torch.Tensor) -> Callable[[], list[list[Any]]]:
-        """Start copying step results to the host; the returned function waits for them. On CUDA
-        the wait happens in `Event.synchronize`, which releases the GIL, so the HTTP thread accepts
-        and answers requests while the GPU computes (a plain `.tolist()` would hold the GIL for the
-        whole step); work launched after this call is not waited for."""
-        if self.device.type != "cuda":
-            lists = [t.tolist() for t in tensors]
-            return lambda: lists
-        host = [t.to("cpu", non_blocking=True) for t in tensors]
-        done = torch.cuda.Event()
-        done.record()
-
-        def wait() -> list[list[Any]]:
-            done.synchronize()
-            return [t.tolist() for t in host]
-
-        return wait
-
-    def _check_stop(self, request: Request) -> None:
-        params, token = request.params, request.output_ids[-1]
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            request.finish_reason = {"type": "stop", "matched": token}
-        elif params.stop:
-            text = self.tokenizer.decode(request.output_ids[-64:], skip_special_tokens=False)
-            for stop in params.stop:
-                if stop in text:
-                    request.finish_reason = {"type": "stop", "matched": stop}
-                    request.matched_stop = stop
-                    break
-        if request.finish_reason is None and (
-            len(request.output_ids) >= params.max_new_tokens
-            or len(request.input_ids) + len(request.output_ids) >= self.context_length
-        ):
-            request.finish_reason = {"type": "length", "length": len(request.output_ids)}
-
-    def _merge(self, new: _Batch) -> None:
-        if self.kv_cache == "slots":
-            self._merge_slots(new)
-            return
-        if self._batch is None:
-            self._batch = new
-            return
-        old = self._batch
-        width = max(old.mask.shape[1], new.mask.shape[1])
-        pad_old, pad_new = width - old.mask.shape[1], width - new.mask.shape[1]
-        layers = []
-        for (ko, vo), (kn, vn) in zip(_cache_tensors(old.cache), _cache_tensors(new.cache), strict=True):
-            layers.append((torch.cat([_left_pad(ko, pad_old, 2), _left_pad(kn, pad_new, 2)]),
-                           torch.cat([_left_pad(vo, pad_old, 2), _left_pad(vn, pad_new, 2)])))
-        self._batch = _Batch(
-            old.requests + new.requests,
-            DynamicCache(layers, config=self.model.config),
-            torch.cat([_left_pad(old.mask, pad_old, 1), _left_pad(new.mask, pad_new, 1)]),
-            torch.cat([old.next_tokens, new.next_tokens]),
-        )
-
-    def _slot_decoder(self) -> SlotDecoder:
-        """The slot cache, built at the first request (and again after a memory release dropped it)."""
-        if self._slots is None:
-            self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
-                                      device=self.device, cuda_graphs=self.cuda_graphs,
-                                      projections=self.projections, fuse_kv_write=self.fuse_kv_write)
-        return self._slots
-
-    def _prefill_slots(self, requests: list[Request]) -> None:
-        """The slot prefill: the group's prompts run through the slot decoder's layers into the next free
-        slots, then their first tokens are sampled from the last positions' logits."""
-        first = len(self._batch.requests) if self._batch else 0
-        decoder = self._slot_decoder()
-        lengths = [len(r.input_ids) for r in requests]
-        logits = torch.cat([decoder.prefill([r.input_ids for r in requests[start:end]], first_slot=first + start)
-                            for start, end in self._prefill_chunks(lengths)])
-        self._append_slots(requests, self._choose(requests, logits), lengths)
-
-    def _prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
-        """[start, end) row ranges, in order, each at most `chunked_prefill_size` padded tokens (its rows x its
-        longest prompt; a single row over it is a chunk of its own); one range when the limit is -1."""
-        limit = self.chunked_prefill_size
-        if limit < 0:
-            return [(0, len(lengths))]
-        chunks, start, width = [], 0, 0
-        for row, n in enumerate(lengths):
-            if row > start and (row - start + 1) * max(width, n) > limit:
-                chunks.append((start, row))
-                start, width = row, 0
-            width = max(width, n)
-        chunks.append((start, len(lengths)))
-        return chunks
-
-    def _merge_slots(self, new: _Batch) -> None:
-        """Copy the prefilled rows' keys/values into the next free slots."""
-        first = len(self._batch.requests) if self._batch else 0
-        lengths = [int(n) for n in new.mask.sum(dim=1).tolist()]
-        self._slot_decoder().write_prefill(new.cache, list(range(len(lengths))), lengths, first_slot=first)
-        self._append_slots(new.requests, new.next_tokens, lengths)
-
-    def _append_slots(self, requests: list[Request], tokens: torch.Tensor, lengths: list[int]) -> None:
-        """Rows whose prompts fill the slots after the running ones join the batch; the first sampled
-        token is fed next, at position `length` of its slot."""
-        old = self._batch or _SlotBatch([], tokens[:0], [])
-        self._batch = _SlotBatch(old.requests + requests, torch.cat([old.next_tokens, tokens]), old.lengths + lengths)
+        self._decode_dynamic(batch)
 
     def _drop_finished(self) -> None:
         batch = self._batch
@@ -709,31 +428,7 @@ class Scheduler:
         if isinstance(batch, _SlotBatch):
             self._compact_slots(batch, keep)
             return
-        index = torch.tensor(keep, device=self.device)
-        mask = batch.mask.index_select(0, index)
-        start = int((mask.sum(dim=0) > 0).long().argmax())  # first column some row still uses
-        layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-                  for k, v in _cache_tensors(batch.cache)]
-        self._batch = _Batch([batch.requests[i] for i in keep], DynamicCache(layers, config=self.model.config),
-                             mask[:, start:], batch.next_tokens.index_select(0, index))
-
-    def _compact_slots(self, batch: _SlotBatch, keep: list[int]) -> None:
-        """Keep rows `keep` in slots 0 .. len(keep)-1: each hole below that is filled by a running row
-        from above it (one slot copy per hole, no shifting)."""
-        size = len(keep)
-        holes = [i for i in range(size) if batch.requests[i].finish_reason is not None]
-        movers = [i for i in keep if i >= size]
-        order = list(range(len(batch.requests)))
-        for hole, mover in zip(holes, movers, strict=True):
-            self._slots.move(mover, hole, batch.lengths[mover])
-            order[hole] = mover
-        order = order[:size]
-        batch.requests = [batch.requests[i] for i in order]
-        batch.lengths = [batch.lengths[i] for i in order]
-        order_index = torch.tensor(order, device=self.device)
-        batch.next_tokens = batch.next_tokens.index_select(0, order_index)
-        if batch.pending is not None:
-            batch.pending = batch.pending.index_select(0, order_index)
+        self._compact_dynamic(batch, keep)
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         request.finish_reason = reason

@@ -25,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from slime.engine_flags import DTYPES
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
-from slime.engines.builtin.launcher import DTYPES
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)

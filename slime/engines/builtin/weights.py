@@ -105,7 +105,7 @@ def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: An
     before any is applied. Absent: nothing to check (a plain SGLang request)."""
     if checksums is None:
         return
-    from slime.sync.delta import CHECKSUM_ALGORITHMS, checksum, host_bytes
+    from slime.delta_codec import CHECKSUM_ALGORITHMS, checksum, host_bytes
 
     if not isinstance(checksums, list) or len(checksums) != len(received):
         raise BadRequestError(f"checksums must be a list of one checksum per name ({len(received)}), got "

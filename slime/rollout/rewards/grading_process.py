@@ -30,6 +30,8 @@ import threading
 import time
 from typing import IO, Any
 
+from slime.plugins import load_function
+
 logger = logging.getLogger(__name__)
 
 # How long one grading call (parse + compare of one answer) may take; math-verify's own default is 5 s.
@@ -209,7 +211,6 @@ def serve() -> None:
     # answers go to the real stdout; anything a grader prints goes to stderr instead of into the protocol
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    from slime.plugins import load_function
 
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     for line in sys.stdin:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slime.engines.process import find_free_port
+from slime.net import find_free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

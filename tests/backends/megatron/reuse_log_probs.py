@@ -21,7 +21,8 @@ from train_actor_cycle import free_port, rollout
 import slime.backends.megatron.logprobs as logprobs
 import slime.ray.train_actor as train_actor
 from slime.config import Config
-from slime.ray.train_actor import TrainActor, copy_weights, snapshot
+from slime.ray.train_actor import TrainActor
+from slime.ray.train_weights import copy_weights, snapshot
 from slime.storage import read_samples, write_samples
 
 KEYS = ("train/loss", "train/grad_norm", "train/pg_loss", "train/ppo_kl", "train/pg_clipfrac", "train/kl_loss",

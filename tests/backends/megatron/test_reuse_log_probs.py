@@ -6,7 +6,7 @@ from script_rows import rows_by_case, run_script
 
 from slime.backends.megatron.hooks import MegatronHooks
 from slime.config import Config
-from slime.ray.train_actor import can_reuse_log_probs, reused_log_prob_stats
+from slime.ray.train_data import can_reuse_log_probs, reused_log_prob_stats
 
 SAME = ("train/loss", "train/grad_norm", "train/pg_loss", "train/kl_loss", "train/pg_clipfrac",
         "train/train_rollout_logprob_abs_diff", "rollout/log_probs", "rollout/kl", "rollout/entropy",

@@ -11,7 +11,7 @@ the rollout manager, while the trainer takes finished ones a batch at a time.
     state = gen.state_dict()             # (paused) everything held, for the checkpoint
     gen.stop()
 
-Staleness is bounded twice (slime.rl.staleness has the version arithmetic):
+Staleness is bounded twice (slime.rollout.staleness has the version arithmetic):
 * admission: a new group is drawn only while the groups held (finished, in flight, interrupted) fit in
   the batches the bound still allows at the engines' version `e`: `(e + K + 1 - next_rollout_id) x batch`
   (K = `max_policy_version_lag`, or 1 for the window when unset), so generation runs at most K batches
@@ -40,13 +40,13 @@ from collections import Counter
 from typing import Any
 
 from slime.errors import ConfigError, DataFormatError
-from slime.rl.staleness import group_oldest_version, is_stale
 from slime.rollout.filters import call_dynamic_filter, should_drop
 from slime.rollout.generate import sampling_params_from_args
 from slime.rollout.hooks import check_rollout_plugins
 from slime.rollout.http import close_engine_client, engine_client, router_url, worker_urls
 from slime.rollout.outputs import flatten
 from slime.rollout.rollout import _sort_key, rollout_metrics
+from slime.rollout.staleness import group_oldest_version, is_stale
 from slime.rollout.state import GenerateState, RolloutEngineError, cancel, drain, first_error_of, group_state
 from slime.types import Sample
 
