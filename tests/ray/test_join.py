@@ -21,14 +21,17 @@ HEAD_CPUS = 3
 
 @pytest.fixture
 def head(tmp_path, monkeypatch):
-    """A one-node Ray cluster (3 CPUs, no GPU, auth off on both sides): its address."""
+    """A one-node Ray cluster (3 CPUs, no GPU, auth off on both sides): its address. The head stops at once on
+    SIGTERM: Ray's default first drains the node for up to 30 s (for Serve replicas), and the stop below would
+    wait its whole timeout before the SIGKILL."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     port = find_free_port()
     temp_dir = tempfile.mkdtemp(prefix="slime-rayhead-", dir="/tmp")
     ray_cli = Path(sys.executable).parent / "ray"
     process = ServerProcess([ray_cli, "start", "--head", "--port", str(port), "--num-cpus", str(HEAD_CPUS),
                              "--num-gpus", "0", "--temp-dir", temp_dir, "--include-dashboard=false", "--block"],
-                            log_path=tmp_path / "head.log", env={"RAY_AUTH_MODE": "disabled"}, name="ray-head")
+                            log_path=tmp_path / "head.log", name="ray-head",
+                            env={"RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
     process.start()
     try:
         deadline = time.monotonic() + 180

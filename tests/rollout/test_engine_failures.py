@@ -3,6 +3,7 @@ file order: one engine mid-rollout, then the other)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -11,6 +12,7 @@ from conftest import args_for, engine_requests
 
 from slime.data.prompts import load_prompts
 from slime.data.source import RolloutDataSource
+from slime.engines.client import EngineClient
 from slime.rollout import RolloutEngineError, generate_rollout
 from slime.types import Status
 
@@ -47,10 +49,13 @@ def test_engine_killed_mid_rollout_requests_move_to_the_live_engine(doomed_args,
     assert engine_requests(engines[:1]) == [0]
 
 
-def test_no_live_engine_fails_samples_then_raises(doomed_args, tiny_kit, doomed_cluster):
+def test_no_live_engine_fails_samples_then_raises(doomed_args, tiny_kit, doomed_cluster, monkeypatch):
     """Both engines dead: the router answers 5xx for every /generate; after the client's retries each
     sample is FAILED with the status in its error, and once a step's worth of groups failed in a row the
-    rollout raises instead of drawing prompts forever."""
+    rollout raises instead of drawing prompts forever. (10 ms between the client's retries instead of 0.5, 1,
+    2 s: every engine is down for good here, and the test counts attempts, not seconds.)"""
+    monkeypatch.setattr(EngineClient, "__init__", functools.partialmethod(EngineClient.__init__, backoff_base_s=0.01,
+                                                                          backoff_max_s=0.01))
     router, engines = doomed_cluster
     for process, _ in engines:
         process.stop(timeout_s=0)

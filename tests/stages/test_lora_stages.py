@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,9 @@ def test_lora_export_merged_and_peft_give_the_same_model(lora_sft, tiny_kit, tmp
     from transformers import AutoModelForCausalLM
 
     save, _ = lora_sft
-    merged = run("export", "--load", str(save), "--output-dir", str(tmp_path / "merged"), timeout=300)
-    adapter = run("export", "--load", str(save), "--output-dir", str(tmp_path / "peft"), "--merge", "false",
-                  timeout=300)
+    exports = [["--output-dir", str(tmp_path / "merged")], ["--output-dir", str(tmp_path / "peft"), "--merge", "false"]]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two processes, mostly imports on one core each: side by side
+        merged, adapter = pool.map(lambda args: run("export", "--load", str(save), *args, timeout=300), exports)
     assert merged["format"] == "merged" and adapter["format"] == "peft"
     assert (tmp_path / "peft" / "adapter_config.json").is_file() and not (tmp_path / "peft" / "config.json").exists()
     # trained on the HF model itself: that is the PEFT base, loadable, no warning

@@ -1,26 +1,69 @@
 """`slime sft` end to end on the tiny kit (CPU): loss falls, the checkpoint is committed and exports; an
-interrupted SFT resumes from its newest checkpoint to the weights of an uninterrupted one."""
+interrupted SFT resumes from its newest checkpoint to the weights of an uninterrupted one.
+
+Each `slime sft` is a process of its own, mostly imports and set-up on one core: the first SFT of each test
+(the one the test goes on from) runs in one module fixture, two at a time, which on two cores takes well under
+twice the time of one."""
 
 import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
 
 
-def test_sft_lowers_loss_commits_and_exports(tiny_kit, tmp_path):
-    save, out = tmp_path / "sft", tmp_path / "hf"
-    result = subprocess.run([SLIME, "sft", "--hf-checkpoint", str(tiny_kit.model_dir),
-                             "--sft-data", f"{tiny_kit.sft}@[0:256]", "--save", str(save),
-                             "--global-batch-size", "64", "--micro-batch-size", "32", "--lr", "1e-6",
-                             "--sft-lr", "3e-3", "--sft-lr-warmup-iters", "1", "--sft-num-epoch", "2"],
-                            capture_output=True, text=True, timeout=600)
+def run_sft(*flags: str) -> dict:
+    result = subprocess.run([SLIME, "sft", *flags], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def lowers_loss_flags(kit) -> list[str]:
+    return ["--hf-checkpoint", str(kit.model_dir), "--sft-data", f"{kit.sft}@[0:256]", "--global-batch-size", "64",
+            "--micro-batch-size", "32", "--lr", "1e-6", "--sft-lr", "3e-3", "--sft-lr-warmup-iters", "1",
+            "--sft-num-epoch", "2"]
+
+
+def interrupted_flags(kit) -> list[str]:
+    # 32 conversations, 16 per step, 2 epochs: 4 steps; warmup + cosine over them; a save after step 3
+    return ["--hf-checkpoint", str(kit.model_dir), "--sft-data", f"{kit.sft}@[0:32]", "--global-batch-size", "16",
+            "--micro-batch-size", "16", "--lr", "3e-3", "--sft-num-epoch", "2", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--sft-save-interval", "3"]
+
+
+def other_data_flags(kit) -> list[str]:
+    return ["--hf-checkpoint", str(kit.model_dir), "--micro-batch-size", "8", "--lr", "3e-3",
+            "--sft-save-interval", "1", "--global-batch-size", "8"]
+
+
+def no_save_optim_flags(kit) -> list[str]:
+    return ["--hf-checkpoint", str(kit.model_dir), "--sft-data", f"{kit.sft}@[0:16]", "--global-batch-size", "8",
+            "--micro-batch-size", "8", "--lr", "3e-3", "--sft-save-interval", "1", "--no-save-optim"]
+
+
+@pytest.fixture(scope="module")
+def first_sft(tiny_kit, tmp_path_factory) -> dict[str, tuple[Path, Future]]:
+    """Per test below: the --save of its first SFT and that run's summary (a Future: a failed run fails the
+    test that reads it, not the others)."""
+    saves = {name: tmp_path_factory.mktemp(name) / "save" for name in
+             ("lowers_loss", "interrupted", "other_data", "no_save_optim")}
+    flags = {"lowers_loss": lowers_loss_flags(tiny_kit), "interrupted": interrupted_flags(tiny_kit),
+             "other_data": [*other_data_flags(tiny_kit), "--sft-data", f"{tiny_kit.sft}@[0:8]"],
+             "no_save_optim": no_save_optim_flags(tiny_kit)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return {name: (save, pool.submit(run_sft, *flags[name], "--save", str(save))) for name, save in saves.items()}
+
+
+def test_sft_lowers_loss_commits_and_exports(first_sft, tmp_path):
+    save, run = first_sft["lowers_loss"]
+    out = tmp_path / "hf"
+    summary = run.result()
     assert summary["steps"] == 8  # 256 conversations / 64 per step x 2 epochs
     assert summary["last_loss"] < 0.7 * summary["first_loss"], summary
     manifest = json.loads((save / "iter_0000008" / "manifest.json").read_text())
@@ -44,12 +87,6 @@ def test_sft_needs_its_data(tiny_kit):
     assert result.returncode == 2 and "stage 'sft' needs: sft.sft_data (--sft-data)" in result.stderr
 
 
-def run_sft(*flags: str) -> dict:
-    result = subprocess.run([SLIME, "sft", *flags], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout[result.stdout.index("{"):])
-
-
 def stopped_copy(whole: Path, cut: Path, step: int) -> None:
     """`cut` as the --save of a run that stopped right after its step-`step` save: that checkpoint, and the
     record of an SFT started with the same settings (slime/stages/record.py)."""
@@ -69,13 +106,11 @@ def model_weights(checkpoint: Path) -> dict:
     return {k: v for k, v in state.items() if "_extra_state" not in k}
 
 
-def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
-    # 32 conversations, 16 per step, 2 epochs: 4 steps; warmup + cosine over them; a save after step 3
-    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:32]",
-             "--global-batch-size", "16", "--micro-batch-size", "16", "--lr", "3e-3", "--sft-num-epoch", "2",
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--sft-save-interval", "3"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    uninterrupted = run_sft(*flags, "--save", str(whole))
+def test_interrupted_sft_resumes_to_the_same_weights(first_sft, tiny_kit, tmp_path):
+    flags = interrupted_flags(tiny_kit)
+    whole, run = first_sft["interrupted"]
+    cut = tmp_path / "cut"
+    uninterrupted = run.result()
     assert uninterrupted["steps"] == 4 and uninterrupted["resumed_from"] is None
     assert sorted(p.name for p in whole.iterdir()) == ["iter_0000003", "iter_0000004"]
     stopped_copy(whole, cut, 3)  # a run that stopped right after its step-3 save
@@ -95,29 +130,27 @@ def test_interrupted_sft_resumes_to_the_same_weights(tiny_kit, tmp_path):
     assert again["artifacts"]["checkpoint"] == {"uri": resumed["checkpoint"], "manifest_hash": resumed["manifest_hash"]}
 
 
-def test_sft_refuses_to_continue_with_other_data(tiny_kit, tmp_path):
-    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--micro-batch-size", "8", "--lr", "3e-3",
-             "--save", str(tmp_path / "s"), "--sft-save-interval", "1"]
-    run_sft(*flags, "--sft-data", f"{tiny_kit.sft}@[0:8]", "--global-batch-size", "8")
-    result = subprocess.run([SLIME, "sft", *flags, "--sft-data", f"{tiny_kit.sft}@[0:16]", "--global-batch-size", "8"],
-                            capture_output=True, text=True, timeout=600)
+def test_sft_refuses_to_continue_with_other_data(first_sft, tiny_kit):
+    save, run = first_sft["other_data"]
+    run.result()  # trained on conversations 0-7
+    result = subprocess.run([SLIME, "sft", *other_data_flags(tiny_kit), "--save", str(save),
+                             "--sft-data", f"{tiny_kit.sft}@[0:16]"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"input sft_data: other content ({tiny_kit.sft}@[0:8] -> {tiny_kit.sft}@[0:16])" in result.stderr
-    assert "--overwrite" in result.stderr and (tmp_path / "s" / "iter_0000001").is_dir()
+    assert "--overwrite" in result.stderr and (save / "iter_0000001").is_dir()
 
 
-def test_sft_with_no_save_optim_cannot_resume_mid_way(tiny_kit, tmp_path):
-    flags = ["--hf-checkpoint", str(tiny_kit.model_dir), "--sft-data", f"{tiny_kit.sft}@[0:16]",
-             "--global-batch-size", "8", "--micro-batch-size", "8", "--lr", "3e-3", "--sft-save-interval", "1",
-             "--no-save-optim"]
-    done = run_sft(*flags, "--save", str(tmp_path / "whole"))
-    manifest = json.loads((tmp_path / "whole" / "iter_0000001" / "manifest.json").read_text())
+def test_sft_with_no_save_optim_cannot_resume_mid_way(first_sft, tiny_kit, tmp_path):
+    flags = no_save_optim_flags(tiny_kit)
+    whole, run = first_sft["no_save_optim"]
+    done = run.result()
+    manifest = json.loads((whole / "iter_0000001" / "manifest.json").read_text())
     assert manifest["metadata"]["training_state"] is False
-    assert not (tmp_path / "whole" / "iter_0000001" / "optimizer").exists()
+    assert not (whole / "iter_0000001" / "optimizer").exists()
     # a finished SFT is not trained again, even from model-only checkpoints
-    again = run_sft(*flags, "--save", str(tmp_path / "whole"))
+    again = run_sft(*flags, "--save", str(whole))
     assert again["reused"] is True and again["artifacts"]["checkpoint"]["manifest_hash"] == done["manifest_hash"]
-    stopped_copy(tmp_path / "whole", tmp_path / "cut", 1)
+    stopped_copy(whole, tmp_path / "cut", 1)
     result = subprocess.run([SLIME, "sft", *flags, "--save", str(tmp_path / "cut")], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 2, result.stderr[-2000:]

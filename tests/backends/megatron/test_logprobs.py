@@ -1,9 +1,10 @@
 """Megatron response log-probs equal HF teacher-forced log-probs (fp32, CPU): what keeps the
-train/rollout mismatch near zero, since the engine matches HF the same way."""
+train/rollout mismatch near zero, since the engine matches HF the same way. The two models' parity runs
+(logprob_parity.py) go two at a time (script_rows.run_scripts)."""
 
 import pytest
 import torch
-from script_rows import run_script
+from script_rows import run_scripts
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from slime.backends.megatron.logprobs import pad_samples, response_positions
@@ -12,23 +13,28 @@ from slime.errors import ConfigError
 from slime.types import Sample
 
 
-def run_parity(hf_dir) -> dict:
-    return run_script("logprob_parity.py", hf_dir, timeout=300)[0]
-
-
-def test_tiny_kit_log_probs_match_hf(tiny_kit):
-    row = run_parity(tiny_kit.model_dir)
-    assert row["max_gap"] < 1e-5 and row["entropy_gap"] < 1e-4, row
-
-
-def test_padded_vocabulary_is_excluded(tmp_path):
-    # vocab 300 is padded to 384 inside Megatron; padded entries must not take probability mass
+@pytest.fixture(scope="module")
+def parity(tiny_kit, tmp_path_factory):
+    """logprob_parity.py's row (a Future) for the tiny kit ("kit") and for a model whose vocabulary of 300
+    Megatron pads to 384 ("padded")."""
+    padded = tmp_path_factory.mktemp("padded-vocab")
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
-    AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path)
-    build_tokenizer().save_pretrained(tmp_path)
-    row = run_parity(tmp_path)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(padded)
+    build_tokenizer().save_pretrained(padded)
+    return run_scripts({"kit": ("logprob_parity.py", tiny_kit.model_dir), "padded": ("logprob_parity.py", padded)},
+                       timeout=300)
+
+
+def test_tiny_kit_log_probs_match_hf(parity):
+    row = parity["kit"].result()[0]
+    assert row["max_gap"] < 1e-5 and row["entropy_gap"] < 1e-4, row
+
+
+def test_padded_vocabulary_is_excluded(parity):
+    # vocab 300 is padded to 384 inside Megatron; padded entries must not take probability mass
+    row = parity["padded"].result()[0]
     assert row["padded_vocab"] == 384 and row["vocab"] == 300
     assert row["max_gap"] < 1e-5, row
 

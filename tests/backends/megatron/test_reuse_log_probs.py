@@ -1,8 +1,9 @@
 """Skipping the old-log-prob pass (slime's can_reuse_log_probs_in_loss): when it applies, and that a rank which
-skips it trains and reports exactly what the recompute path does (reuse_log_probs.py, fp32 on CPU)."""
+skips it trains and reports exactly what the recompute path does (reuse_log_probs.py, fp32 on CPU; its two
+cases run two at a time, script_rows.run_scripts)."""
 
 import pytest
-from script_rows import rows_by_case, run_script
+from script_rows import rows_by_case, run_scripts
 
 from slime.backends.megatron.hooks import MegatronHooks
 from slime.config import Config
@@ -46,8 +47,15 @@ def test_reused_stats_are_token_means_of_the_steps_sums():
     assert reused_log_prob_stats(row, with_kl=False, with_entropy=False) == {"rollout/log_probs": -2.0}
 
 
-def test_a_rank_that_skips_the_pass_trains_and_reports_as_the_recompute_path(tiny_kit, tmp_path):
-    rows = rows_by_case(run_script("reuse_log_probs.py", tiny_kit.model_dir, tmp_path, "reuse", timeout=600))
+@pytest.fixture(scope="module")
+def runs(tiny_kit, tmp_path_factory):
+    """Each case's rows, as a Future (a failed script fails the test that reads it, not the other)."""
+    return run_scripts({case: ("reuse_log_probs.py", tiny_kit.model_dir, tmp_path_factory.mktemp(case), case)
+                        for case in ("reuse", "kl-coef")}, timeout=600)
+
+
+def test_a_rank_that_skips_the_pass_trains_and_reports_as_the_recompute_path(runs):
+    rows = rows_by_case(runs["reuse"].result())
     first, recompute, reuse, two = rows["first"], rows["recompute"], rows["reuse"], rows["two steps"]
     assert first["calls"] == {"actor": 0, "ref": 1} and reuse["calls"] == {"actor": 0, "ref": 1}, rows
     assert recompute["calls"] == {"actor": 1, "ref": 1} and two["calls"] == {"actor": 1, "ref": 1}, rows
@@ -64,6 +72,6 @@ def test_a_rank_that_skips_the_pass_trains_and_reports_as_the_recompute_path(tin
         assert mixed_reuse[key] == pytest.approx(mixed[key], rel=1e-6, abs=1e-6), key
 
 
-def test_kl_coef_keeps_the_pass(tiny_kit, tmp_path):
-    row = run_script("reuse_log_probs.py", tiny_kit.model_dir, tmp_path, "kl-coef", timeout=600)[0]
+def test_kl_coef_keeps_the_pass(runs):
+    row = runs["kl-coef"].result()[0]
     assert row["calls"] == {"actor": 1, "ref": 1} and row["rollout/kl"] is not None, row

@@ -5,19 +5,52 @@ History: the first GPU pipeline run (2026-11-25, H100) trained RL from the SFT c
 first step every reward was 0. In bf16 megatron-core's optimizer keeps fp32 main copies of the weights,
 taken when it is built, before the checkpoint is loaded; its first step wrote them (Megatron's random
 init) back over the loaded model. bf16 on CPU shows it too, so the CPU case guards it in CI.
+
+One module fixture runs every process the tests read, two at a time (as script_rows.run_scripts does, with the
+starts after their cycle): the full-model cycle once, whose saved rank the plain, --finetune and
+--no-load-optim starts all load, and the LoRA cycle with its resume.
 """
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 from script_rows import rows_by_case, run_script
 
 
+@pytest.fixture(scope="module")
+def cycles(tiny_kit, tmp_path_factory) -> dict[str, Future]:
+    """The rows by case of each run, keyed "full", "lora" (the cycles, each saving to its own work dir) and
+    "load", "load --finetune", "load --no-load-optim", "load --lora" (started from those saves). Futures: a failed
+    run fails the tests that read it (a start from a failed cycle raises the cycle's error)."""
+    full, lora = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("lora")
+
+    def run(work, *flags: str) -> dict:
+        return rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, work, *flags, timeout=600))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        def start_from(cycle: Future, work, *flags: str) -> Future:
+            def load() -> dict:
+                cycle.result()  # the cycle's error, if it failed: there is no checkpoint to start from
+                return run(work, "--load", *flags)
+
+            # submitted after `cycle`, so `cycle` is running or done when `load` waits on it: no deadlock
+            return pool.submit(load)
+
+        runs = {"full": pool.submit(run, full), "lora": pool.submit(run, lora, "--lora")}
+        runs["load"] = start_from(runs["full"], full)
+        runs["load --finetune"] = start_from(runs["full"], full, "--finetune")
+        runs["load --no-load-optim"] = start_from(runs["full"], full, "--no-load-optim")
+        runs["load --lora"] = start_from(runs["lora"], lora, "--lora")
+    return runs
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, device):
+def test_weights_survive_offload_and_a_step_at_lr_zero(cycles, device):
     if (device == "cuda") != torch.cuda.is_available():
         pytest.fail(f"the {device} case runs where the train rank uses {device}: -m gpu on the GPU machine, "
                     "the default selection elsewhere")
-    rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, timeout=600))
+    rows = cycles["full"].result()
     cycle = rows["offload/onload"]
     assert cycle["moved"] == 0.0
     # the KL reference model is parked whole with the rest; full fine-tuning freezes nothing
@@ -35,19 +68,16 @@ def test_weights_survive_offload_and_a_step_at_lr_zero(tiny_kit, tmp_path, devic
     assert 0.0 < rows["step 1"]["moved"] < rows["step 2"]["moved"] < 0.01, rows
     # started from that trained checkpoint, the KL reference is the policy it loaded (not hf_checkpoint's
     # untrained weights: the GPU pipeline once read KL 6.0 at RL's first step)
-    resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", timeout=600))
+    resumed = cycles["load"].result()
     assert resumed["kl to reference"]["start"] == 3 and resumed["kl to reference"]["kl"] == 0.0, resumed
     # a full resume: Adam's state of the three steps, and the schedule past its warmup
     assert resumed["kl to reference"]["adam_steps"] == 3.0 and resumed["kl to reference"]["lr"] > 0.0, resumed
 
 
-def test_finetune_and_no_load_optim_shape_the_start_from_a_full_rl_checkpoint(tiny_kit, tmp_path):
+def test_finetune_and_no_load_optim_shape_the_start_from_a_full_rl_checkpoint(cycles):
     """Megatron's --finetune: the checkpoint's weights only (rollout 0, fresh optimizer and schedule);
     --no-load-optim: its weights and rollout id, but a fresh optimizer and schedule (warmup from lr 0 again)."""
-    run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, timeout=600)
-    rows = {flag: rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", flag,
-                                          timeout=600))["kl to reference"]
-            for flag in ("--finetune", "--no-load-optim")}
+    rows = {flag: cycles[f"load {flag}"].result()["kl to reference"] for flag in ("--finetune", "--no-load-optim")}
     finetune, no_optim = rows["--finetune"], rows["--no-load-optim"]
     assert finetune["start"] == 0 and no_optim["start"] == 3, rows
     assert finetune["adam_steps"] == 0.0 and no_optim["adam_steps"] == 0.0, rows
@@ -55,10 +85,10 @@ def test_finetune_and_no_load_optim_shape_the_start_from_a_full_rl_checkpoint(ti
     assert finetune["kl"] == 0.0 and no_optim["kl"] == 0.0, rows  # the loaded weights are the policy
 
 
-def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):
+def test_lora_rank_trains_adapters_against_the_frozen_base(cycles):
     """LoRA in bf16: the base is the KL reference (KL exactly 0 before the adapters move, not after), only the
     adapters train, and a rank started from the LoRA checkpoint resumes with those adapters as its reference."""
-    rows = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--lora", timeout=600))
+    rows = cycles["lora"].result()
     cycle = rows["offload/onload"]
     assert cycle["moved"] == 0.0
     # the frozen base is parked with the optimizer (the reference is the base itself: no reference model)
@@ -69,6 +99,5 @@ def test_lora_rank_trains_adapters_against_the_frozen_base(tiny_kit, tmp_path):
     assert rows["step 2"]["rollout/kl"] != 0.0 and rows["step 2"]["moved"] > rows["step 1"]["moved"], rows
     assert rows["step 2"]["lora/rank"] == 4.0 and rows["step 2"]["lora/peak_memory_bytes"] > 0
     assert 0 < rows["step 2"]["lora/trainable_params"] < rows["step 2"]["lora/total_params"] / 10, rows
-    resumed = rows_by_case(run_script("train_actor_cycle.py", tiny_kit.model_dir, tmp_path, "--load", "--lora",
-                                      timeout=600))
+    resumed = cycles["load --lora"].result()
     assert resumed["kl to reference"]["start"] == 3 and resumed["kl to reference"]["kl"] == 0.0, resumed

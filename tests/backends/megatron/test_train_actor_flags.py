@@ -3,13 +3,25 @@ actor every --ref-update-interval rollouts, --use-stateless-adam starts Adam's m
 --data-pad-size-multiplier rounds micro-batch widths, --log-probs-chunk-size scores in chunks with the same
 values, --recompute-loss-function scores again in the backward pass with the same step, --log-correct-samples reports the correct responses, the torch profiler writes traces, and
 --disable-compute-advantages-and-returns trains on the advantages the samples carry, and --keep-old-actor
-takes old log-probs under the weights last synced to the engines."""
+takes old log-probs under the weights last synced to the engines.
 
-from script_rows import rows_by_case, run_script
+The four cases are independent processes, run two at a time by one module fixture (script_rows.run_scripts)."""
+
+import pytest
+from script_rows import rows_by_case, run_scripts
+
+CASES = ("trainer", "no-advantages", "old-actor", "reward-post-process")
 
 
-def test_trainer_flags_change_what_the_rank_does(tiny_kit, tmp_path):
-    rows = rows_by_case(run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "trainer", timeout=600))
+@pytest.fixture(scope="module")
+def runs(tiny_kit, tmp_path_factory):
+    """Each case's rows, as a Future (a failed script fails the test that reads it, not the others)."""
+    return run_scripts({case: ("train_actor_flags.py", tiny_kit.model_dir, tmp_path_factory.mktemp(case), case)
+                        for case in CASES}, timeout=600)
+
+
+def test_trainer_flags_change_what_the_rank_does(runs):
+    rows = rows_by_case(runs["trainer"].result())
     r0, r1, r2 = (rows[f"rollout {i}"] for i in range(3))
     # the reference starts as the actor (KL 0), drifts after one trained rollout, and is the actor again after
     # the update that follows rollout 1 ((1 + 1) % 2 == 0)
@@ -31,22 +43,22 @@ def test_trainer_flags_change_what_the_rank_does(tiny_kit, tmp_path):
     assert any(f.startswith("train_log_probs_rank_0.") for f in files), files
 
 
-def test_no_advantage_computation_trains_on_the_samples_advantages_with_a_padded_vocabulary(tiny_kit, tmp_path):
-    row = run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "no-advantages", timeout=600)[0]
+def test_no_advantage_computation_trains_on_the_samples_advantages_with_a_padded_vocabulary(runs):
+    row = runs["no-advantages"].result()[0]
     # ratio 1 on the first step: pg_loss = -mean(advantage) = -0.5 (GRPO on these rewards would give ~0)
     assert row["pg_loss"] == -0.5 and row["has_log_probs"] is False and row["grad_norm"] > 0, row
     assert row["embedding_rows"] == [512]  # --padded-vocab-size (the kit's vocabulary: 384, padded to 384)
 
 
-def test_keep_old_actor_scores_with_the_synced_weights(tiny_kit, tmp_path):
-    rows = rows_by_case(run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "old-actor", timeout=600))
+def test_keep_old_actor_scores_with_the_synced_weights(runs):
+    rows = rows_by_case(runs["old-actor"].result())
     r0, r1, r2 = (rows[f"rollout {i}"]["log_probs"] for i in range(3))
     # rollouts 0 and 1: no sync yet, the old actor is the loaded policy although rollout 0 trained the actor;
     # after the sync that follows rollout 1 it is the trained actor
     assert r0 == r1 and r2 != r0, rows
 
 
-def test_a_reward_post_process_plugin_replaces_the_group_normalisation(tiny_kit, tmp_path):
-    row = run_script("train_actor_flags.py", tiny_kit.model_dir, tmp_path, "reward-post-process", timeout=600)[0]
+def test_a_reward_post_process_plugin_replaces_the_group_normalisation(runs):
+    row = runs["reward-post-process"].result()[0]
     # GRPO's advantage is the normalised reward on every token: the plugin's 1.0 (its own centring would give 0)
     assert row["advantages"] == 1.0, row

@@ -13,8 +13,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+import slime.rollout.rewards.hub
+from slime.engines.client import EngineClient
 from slime.errors import EngineHTTPError
 from slime.rollout.rewards import compute_reward, reward_samples
+from slime.rollout.rewards.remote import RM_MAX_RETRIES, RM_TIMEOUT_S
 from slime.types import Sample, Status
 
 
@@ -64,6 +67,14 @@ def rm_server():
     server.should_exit = True
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.fixture(autouse=True)
+def short_backoff(monkeypatch):
+    """remote_rm's client (its timeout and retry count) with 10 ms between retries instead of 0.5, 1, 2 s: the
+    retry tests count attempts, not seconds (tests/engines/test_client.py does the same)."""
+    monkeypatch.setattr(slime.rollout.rewards.hub, "make_rm_client", lambda: EngineClient(
+        timeout_s=RM_TIMEOUT_S, max_retries=RM_MAX_RETRIES, backoff_base_s=0.01, backoff_max_s=0.01))
 
 
 def rm_args(url: str, **kw) -> Namespace:
