@@ -34,6 +34,7 @@ from prefect.settings import (
 )
 
 from flows._stage import resolve_run
+from slime.config_reference import ConfigFlagsHelp
 from slime.errors import SlimeError
 from slime.signals import sigterm_as_exit
 from slime.storage.lease import check_free
@@ -46,8 +47,9 @@ EPHEMERAL_STARTUP_TIMEOUT_S = 180
 
 def parse(prog: str, description: str, argv: list[str] | None, takes_model: bool) -> dict[str, Any]:
     """Flow parameters from the command line; unknown `--flag value` pairs become config overrides."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False, add_help=False,
                                      epilog="Any config field can be given as --flag value (slime's flag names).")
+    parser.add_argument("-h", "--help", action=ConfigFlagsHelp)  # argparse's help, then every config flag
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
     parser.add_argument("--store", help="artifact store root (default: run.store of the config)")
     parser.add_argument("--run-id", help="run directory under the store; reuse it to resume (default: run.run_id)")

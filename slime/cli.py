@@ -18,7 +18,7 @@ from collections.abc import Callable
 import yaml
 
 from slime.config import load_config
-from slime.config_reference import reference_markdown
+from slime.config_reference import ConfigFlagsHelp, reference_markdown
 from slime.errors import SlimeError
 from slime.storage.fs import normalize_uri
 from slime.storage.lease import hold_stage
@@ -154,14 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name, (run, description) in stages.items():
         stage_dir = {"rejection-sample": "rejection_sampling"}.get(name, name)
-        stage = commands.add_parser(name, help=description, description=f"{description}. Any config field "
-                                    "can be given as --flag value (slime's flag names).")
+        stage = commands.add_parser(name, help=description, add_help=False, description=f"{description}. Any "
+                                    "config field can be given as --flag value (slime's flag names).")
+        stage.add_argument("-h", "--help", action=ConfigFlagsHelp)  # argparse's help, then every config flag
         stage.add_argument("--config", help="YAML config file")
         stage.set_defaults(handler=_stage(run, stage_dir), takes_overrides=True)
 
     config = commands.add_parser("config", help="inspect configurations").add_subparsers(dest="sub", required=True)
-    show = config.add_parser("show", help="print the resolved config and section hashes",
+    show = config.add_parser("show", help="print the resolved config and section hashes", add_help=False,
                              description="Extra --flag value arguments override the file, with slime's flag names.")
+    show.add_argument("-h", "--help", action=ConfigFlagsHelp)
     show.add_argument("--config", help="YAML config file")
     show.set_defaults(handler=_config_show, takes_overrides=True)
     config.add_parser("reference", help="print the Markdown reference of every field").set_defaults(

@@ -71,7 +71,6 @@ REFUSED: dict[str, str] = {
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
-    "num_critic_only_steps": "critic-only warm-up steps are not built here",
     "use_routing_replay": _NO_MOE,
     "use_rollout_routing_replay": _NO_MOE,
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",

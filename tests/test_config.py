@@ -119,6 +119,10 @@ def test_unknown_megatron_flag_suggests_closest():
         (["--kl-coef", "0.1", "--use-kl-loss", "--kl-loss-coef", "0.01"], "are exclusive"),
         (["--kl-loss-coef", "0.01"], "use_kl_loss is false"),
         (["--eps-clip-c", "0.5"], "must be > 1"),
+        (["--num-critic-only-steps", "2"], "--num-critic-only-steps: algorithm.num_critic_only_steps: "
+         "num_critic_only_steps 2 trains only the PPO critic for the first rollouts, and advantage_estimator 'grpo' "
+         "has no critic: set --advantage-estimator ppo"),
+        (["--num-critic-only-steps", "-1"], "greater than or equal to 0"),
         (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
          "megatron.virtual_pipeline_model_parallel_size: virtual pipeline stages"),
         (["--advantage-estimator", "reinforce_plus_plus"], "needs normalize_advantages"),
@@ -137,6 +141,12 @@ def test_unknown_megatron_flag_suggests_closest():
 def test_cross_field_and_flag_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_critic_only_steps_need_the_ppo_critic():
+    assert load_config(None, []).algorithm.num_critic_only_steps == 0  # slime's default: the actor always trains
+    ppo = load_config(None, ["--advantage-estimator", "ppo", "--num-critic-only-steps", "2"]).algorithm
+    assert (ppo.advantage_estimator, ppo.num_critic_only_steps) == ("ppo", 2)
 
 
 def test_context_len_gives_slime_defaults():

@@ -47,6 +47,7 @@ COMPANIONS: dict[str, list[str]] = {
     "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "/tmp/teacher"],
     "--opd-type": ["--use-opd", "--opd-teacher-load", "/tmp/teacher"],
     "--opd-teacher-load": ["--use-opd", "--opd-type", "megatron"],
+    "--num-critic-only-steps": ["--advantage-estimator", "ppo"],
 }
 # values a plain "2" / "0.5" / "x" would not satisfy
 VALUES: dict[str, list[str]] = {

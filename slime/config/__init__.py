@@ -35,7 +35,7 @@ from slime.config.loader import (
     resolve_input_path,
 )
 from slime.config.lora import LORA_HF_TO_MEGATRON, LORA_MEGATRON_TARGETS, LoraConfig, lora_megatron_targets
-from slime.config.overrides import _NEGATABLE, _field_kind, parse_overrides
+from slime.config.overrides import _FLAG_ALIASES, _NEGATABLE, _field_kind, parse_overrides
 from slime.config.passthrough import megatron_flag_names
 from slime.config.rollout import DataConfig, EngineConfig, EvalConfig, RewardConfig, RolloutConfig
 from slime.config.run import DEFAULT_GPU_FRACTION, RUN_ID_PATTERN, ClusterConfig, KitConfig, RunConfig
@@ -58,6 +58,7 @@ __all__ = [
     "LORA_HF_TO_MEGATRON",
     "LORA_MEGATRON_TARGETS",
     "RUN_ID_PATTERN",
+    "_FLAG_ALIASES",
     "_NEGATABLE",
     "_PASS_THROUGH",
     "_TYPED_SECTIONS",

@@ -20,8 +20,10 @@ class DataConfig(_Section):
     label_key: str | None = "label"
     metadata_key: str | None = "metadata"
     tool_key: str | None = "tools"
-    apply_chat_template: bool = False
-    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    apply_chat_template: bool = Field(False, description="render input_key's chat messages with the tokenizer's "
+                                                          "chat template")
+    apply_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword "
+                                                       "arguments of apply_chat_template (enable_thinking, ...)")
     rollout_shuffle: bool = False
     rollout_max_prompt_len: int | None = Field(None, ge=1)
     num_epoch: int | None = Field(None, ge=1, description="sets num_rollout from the data size when unset")
@@ -113,15 +115,16 @@ class RewardConfig(_Section):
 class EvalConfig(_Section):
     """Periodic and stand-alone evaluation."""
 
-    eval_interval: int | None = Field(None, ge=1)
+    eval_interval: int | None = Field(None, ge=1, description="`slime rl`: evaluate every N rollouts and after "
+                                                              "the last; None: no periodic eval")
     eval_prompt_data: dict[str, str] | None = Field(None, description="dataset name -> path")
     eval_config: str | None = Field(None, description="YAML with per-dataset eval settings")
     skip_eval_before_train: bool = False
     n_samples_per_eval_prompt: int = Field(1, ge=1)
-    eval_temperature: float | None = Field(None, ge=0)
-    eval_top_p: float | None = Field(None, gt=0, le=1)
-    eval_top_k: int | None = None
-    eval_max_response_len: int | None = Field(None, ge=1)
+    eval_temperature: float | None = Field(None, ge=0, description="None: rollout_temperature")
+    eval_top_p: float | None = Field(None, gt=0, le=1, description="None: rollout_top_p")
+    eval_top_k: int | None = Field(None, description="None: rollout_top_k")
+    eval_max_response_len: int | None = Field(None, ge=1, description="None: rollout_max_response_len")
     eval_input_key: str | None = None
     eval_label_key: str | None = None
     eval_tool_key: str | None = Field(None, description="eval prompts' tools key; None: tool_key")
@@ -145,13 +148,14 @@ class EvalConfig(_Section):
 class EngineConfig(_Section):
     """Which inference engine serves rollouts and where the router is."""
 
-    engine: Literal["builtin", "sglang"] = "builtin"
+    engine: Literal["builtin", "sglang"] = Field("builtin", description="sglang: SGLang servers (CUDA); builtin: "
+                                                 "the transformers engine speaking its HTTP protocol")
     rollout_external_engine_addrs: list[str] | None = Field(
         None, description="engines a user started (host:port or URL): registered with the router instead of "
                           "launched; stopping the run leaves them running (slime/engines/fleet.py)")
     http_proxy: str | None = Field(None, description="for plugins (args.http_proxy); engines and the router are "
                                                      "reached on 127.0.0.1 without it")
-    sglang_router_ip: str = "127.0.0.1"
+    sglang_router_ip: str = Field("127.0.0.1", description="address the router binds and is reached on")
     sglang_router_port: int | None = Field(None, ge=1, le=65535, description="None: pick a free port")
     engine_host: str = Field("127.0.0.1", description="address the engine servers bind; 0.0.0.0 (or the node's IP) "
                                                       "when the router is on another node: engines are then "

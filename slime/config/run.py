@@ -58,7 +58,7 @@ class RunConfig(_Section):
     wandb_host: str | None = Field(None, description="W&B server URL for the login")
     wandb_team: str | None = Field(None, description="W&B entity")
     wandb_group: str | None = Field(None, description="W&B group; None: the run_id; a random suffix is added")
-    wandb_project: str | None = None
+    wandb_project: str | None = Field(None, description="W&B project")
     disable_wandb_random_suffix: bool = Field(False, description="W&B group and run name without slime's random "
                                                                  "6-character suffix")
     wandb_always_use_train_step: bool = Field(False, description="W&B: every metric against train/step (default: "

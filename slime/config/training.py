@@ -22,6 +22,9 @@ class AlgorithmConfig(_Section):
     eps_clip_high: float | None = Field(None, gt=0, description="None: same as eps_clip")
     eps_clip_c: float | None = Field(None, description="dual-clip constant; must be > 1")
     value_clip: float = Field(0.2, gt=0)
+    num_critic_only_steps: int = Field(0, ge=0, description="PPO: the first N rollouts train only the critic, the "
+                                                            "actor is not updated (slime's --num-critic-only-steps; "
+                                                            ">= num_rollout: a critic-only run)")
     kl_coef: float = Field(0.0, ge=0, description="KL as a reward penalty (exclusive with use_kl_loss)")
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.0, ge=0)
@@ -29,14 +32,15 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = 0.0
     gamma: float = Field(1.0, ge=0, le=1)
     lambd: float = Field(1.0, ge=0, le=1)
-    normalize_advantages: bool = False
+    normalize_advantages: bool = Field(False, description="whiten advantages over the data-parallel batch")
     disable_rewards_normalization: bool = False
     disable_grpo_std_normalization: bool = False
     use_rollout_logprobs: bool = False
     use_tis: bool = False
     tis_clip: float = Field(2.0, gt=0)
     tis_clip_low: float = Field(0.0, ge=0)
-    calculate_per_token_loss: bool = False
+    calculate_per_token_loss: bool = Field(False, description="loss averaged over all tokens of the step, not "
+                                                               "per sample then over samples")
     custom_tis_function_path: str | None = Field(
         None, description="with use_tis: slime's TIS function fn(args=, pg_loss=, train_log_probs=, rollout_log_probs="
                           ", loss_masks=, total_lengths=, response_lengths=) -> (pg_loss, loss_masks, metrics)")
@@ -73,17 +77,18 @@ class TrainConfig(_Section):
 
     global_batch_size: int | None = Field(None, ge=1, description="samples per optimizer step")
     num_steps_per_rollout: int | None = Field(None, ge=1, description="alternative to global_batch_size")
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description="samples per forward/backward pass (without "
+                                                            "use_dynamic_batch_size)")
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     lr: float = Field(1e-6, gt=0, description="peak learning rate (after warmup)")
-    clip_grad: float = Field(1.0, ge=0)
+    clip_grad: float = Field(1.0, ge=0, description="gradient-norm clipping; 0: off")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="adam is AdamW (decoupled weight decay); sgd "
                                                                   "has no momentum")
     weight_decay: float = Field(0.0, ge=0, description="Megatron's default is 0.01, slime's scripts use 0.1")
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.98, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW second-moment decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
     fused_adam: bool | None = Field(None, description="torch's fused AdamW kernel in place of the foreach one "
                                                       "megatron builds without Apex/TE; None: on under CUDA "
                                                       "(slime/backends/megatron/optimizer.py)")
@@ -93,8 +98,9 @@ class TrainConfig(_Section):
     lr_decay_iters: int | None = Field(None, ge=1, description="steps from 0 to min_lr; None: the stage's total "
                                                                "optimizer steps")
     lr_wsd_decay_iters: int | None = Field(None, ge=1, description="WSD: length of the final decay phase")
-    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
-    min_lr: float = Field(0.0, ge=0)
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = Field(
+        "exponential", description="WSD: shape of the final decay phase")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the decay")
     lr_warmup_init: float = Field(0.0, ge=0, description="learning rate of the first warmup step")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over data-parallel ranks "
                                                                "(megatron DistributedOptimizer)")
@@ -153,11 +159,11 @@ class SftConfig(_Section):
     """Supervised fine-tuning (cold start) data and epochs."""
 
     sft_data: str | None = Field(None, description="chat-messages JSONL/Parquet or an SFT shard set URI")
-    messages_key: str = "messages"
+    messages_key: str = Field("messages", description="key of the chat messages in each SFT row")
     loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] | None = Field(
         None, description="slime's per-message loss masks for chat templates without {% generation %} blocks "
                           "(slime/data/loss_mask.py); None: the template's generation marks")
-    sft_num_epoch: int = Field(1, ge=1)
+    sft_num_epoch: int = Field(1, ge=1, description="passes over sft_data")
     sft_save_interval: int | None = Field(None, ge=1, description="save the full SFT training state every N "
                                           "optimizer steps (resume point); None: only at the end")
     # SFT usually wants a larger step size than RL from the same `train` section: these override it for SFT only
@@ -187,6 +193,16 @@ def check_loss_type(config: ConfigTree, fail: Fail) -> None:
              "batch and logits) is not supported by the Megatron train step here; use policy_loss or sft_loss, "
              "and reshape the training signal with --custom-advantage-function-path or "
              "--rollout-data-postprocess-path (docs/megatron.md)", "algorithm.custom_loss_function_path")
+
+
+def check_critic_only_steps(config: ConfigTree, fail: Fail) -> None:
+    """slime's --num-critic-only-steps counts rollouts in which only the PPO critic trains; with another
+    estimator there is no critic, and slime would silently train the actor anyway: refused here instead."""
+    a = config.algorithm
+    if a.num_critic_only_steps and a.advantage_estimator != "ppo":
+        fail("algorithm.num_critic_only_steps", f"num_critic_only_steps {a.num_critic_only_steps} trains only the "
+             f"PPO critic for the first rollouts, and advantage_estimator {a.advantage_estimator!r} has no critic: "
+             "set --advantage-estimator ppo, or drop --num-critic-only-steps", "algorithm.advantage_estimator")
 
 
 def check_batch_shape(config: ConfigTree, fail: Fail) -> None:

@@ -36,6 +36,7 @@ from slime.config.sync import (
 )
 from slime.config.training import (
     check_batch_shape,
+    check_critic_only_steps,
     check_flops_balance,
     check_given_advantages,
     check_loss_mask_type,
@@ -64,6 +65,7 @@ def validate(config: Config, where: dict[str, str]) -> None:
     check_batch_shape(config, fail)
     check_over_sampling(config, fail)
     check_policy_terms(config, fail)
+    check_critic_only_steps(config, fail)
     check_lr_schedules(config, fail)
     check_async_mode(config, fail)
     check_share_gpu(config, fail)
