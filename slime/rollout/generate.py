@@ -1,8 +1,9 @@
 """The default per-sample generate function and the sampling parameters it is called with.
 
 `generate(args, sample, sampling_params)` is what runs when no `custom_generate_function_path` is set:
-one `/generate` call through the router with `input_ids` and `return_logprob`, folded into the sample
-(tokens, log-probs, loss mask, status, weight version). A sample that comes back from the partial-rollout
+one `/generate` call through the router with `input_ids` and `return_logprob` (and `return_routed_experts`
+with routing replay on: routing.py), folded into the sample (tokens, log-probs, loss mask, status, weight
+version, routed experts). A sample that comes back from the partial-rollout
 buffer continues from its tokens with the response budget reduced by what it already has, so the final
 sample is one continuous response. With `rollout_max_context_len` set, a request asks for at most
 `min(max_new_tokens, rollout_max_context_len - prompt length)` tokens (slime), and a sample whose prompt
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from slime.errors import ConfigError
 from slime.rollout.multiturn import append_model_output, budget_left, generate_turn, prompt_ids
+from slime.rollout.routing import wants_routed_experts
 from slime.types import Sample, Status
 
 
@@ -79,7 +81,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
         sample.tokens = prompt_ids(sample, tokenizer_of(args))
     if budget_left(sample, sampling_params, args) == 0:  # no room left: a resumed sample that used its
         return sample  # response budget, or a prompt that fills rollout_max_context_len (TRUNCATED, no request)
-    output = await generate_turn(args, sample, sampling_params)
+    output = await generate_turn(args, sample, sampling_params, return_routed_experts=wants_routed_experts(args))
     append_model_output(args, sample, output)
     return sample
 
@@ -98,6 +100,8 @@ def truncate_response(sample: Sample, max_len: int, tokenizer: Any = None) -> bo
         values = getattr(sample, name)
         if values is not None:
             setattr(sample, name, values[:max_len])
+    if sample.rollout_routed_experts is not None:  # one record per token but the last (routing.py)
+        sample.rollout_routed_experts = sample.rollout_routed_experts[: max(len(sample.tokens) - 1, 0)]
     if tokenizer is not None:
         sample.response = tokenizer.decode(sample.tokens[len(sample.tokens) - max_len:] if max_len else [])
     sample.status = Status.TRUNCATED

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from slime.rollout.http import engine_client, router_url
+from slime.rollout.routing import apply_routed_experts
 from slime.types import Sample, Status, parse_weight_version
 
 
@@ -50,11 +51,13 @@ def append_tokens(sample: Sample, tokens: list[int], *, log_probs: list[float] |
 
 def append_model_output(args: Any, sample: Sample, output: dict[str, Any]) -> None:
     """Fold one SGLang `/generate` answer (with `return_logprob`) into `sample` as a model turn: its tokens
-    and log-probs, text, status from `finish_reason` (abort -> ABORTED) and weight version."""
+    and log-probs, text, status from `finish_reason` (abort -> ABORTED), weight version, and the routed experts
+    when the answer has them (routing.py)."""
     meta = output.get("meta_info") or {}
     pairs = meta.get("output_token_logprobs") or []
     append_tokens(sample, [p[1] for p in pairs], log_probs=[p[0] for p in pairs], trainable=True,
                   text=output.get("text") or "", version=parse_weight_version(meta.get("weight_version")))
+    apply_routed_experts(sample, meta)
     sample.update_from_meta_info(args, meta)
 
 
@@ -83,14 +86,15 @@ def response_limit(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 
 
 async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, Any],
-                        max_new_tokens: int | None = None) -> dict[str, Any]:
+                        max_new_tokens: int | None = None, *, return_routed_experts: bool = False) -> dict[str, Any]:
     """POST `sample.tokens` (prompt + response so far) to the router's `/generate` and return its answer.
 
     `max_new_tokens` (default: what `sampling_params` allows) is capped by the budget left,
     `response_limit(...) - sample.response_length`, so a whole multi-turn response never exceeds
     `max_new_tokens` of `sampling_params` nor prompt + response `rollout_max_context_len`. With nothing
     left it raises ValueError and sends nothing: check `budget_left` first. Does not modify `sample`;
-    pass the answer to `append_model_output`.
+    pass the answer to `append_model_output`. `return_routed_experts` asks a MoE model's engine for the experts
+    every token was routed to (routing.py; a dense model's engine refuses it).
     """
     params = dict(sampling_params)
     limit = response_limit(args, sample, sampling_params)
@@ -105,6 +109,8 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
     elif max_new_tokens is not None:
         params["max_new_tokens"] = max_new_tokens
     payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
     if getattr(args, "engine_lora_name", None):  # adapter sync: the engines hold the policy as this adapter
         payload["lora_path"] = args.engine_lora_name
     return await engine_client(args).post(f"{router_url(args)}/generate", payload)

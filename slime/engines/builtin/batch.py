@@ -39,6 +39,11 @@ class Request:
     # per-token fast check of `_choose`; `_check_stop` decides)
     stop_ids: frozenset[int] = frozenset()
     limit: int = 0
+    # SGLang's return_routed_experts: one host int32 record [n, L, k] per forward that fed this request tokens
+    # (its prompt's prefill, then each decode), in token order; answered from `routed_experts_start_len` on
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -61,6 +66,7 @@ class _SlotBatch:
     # logits [B, V] of the decode already launched with `next_tokens` (whose positions `lengths`
     # already counts), or None: see `SlotCachePath._decode_slots` (scheduler_slots.py)
     pending: torch.Tensor | None = None
+    pending_routing: torch.Tensor | None = None  # that decode's routed experts [B, L, k] (MoE models)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:

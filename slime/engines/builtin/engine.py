@@ -27,6 +27,7 @@ from slime.engines.builtin.batch import Request
 from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
 from slime.engines.builtin.memory import apply_memory_budget
+from slime.engines.builtin.moe import encode_routed_experts
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Scheduler
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
@@ -36,8 +37,10 @@ from slime.offload import HostParking
 logger = logging.getLogger(__name__)
 
 # /generate fields (SGLang's GenerateReqInput) this engine implements.
+# return_routed_experts (MoE models only; a dense model answers 400): meta_info["routed_experts"] as SGLang gives it
+# (moe.encode_routed_experts), from routed_experts_start_len on.
 _SUPPORTED_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                     "lora_path"}
+                     "lora_path", "return_routed_experts", "routed_experts_start_len"}
 # Fields that carry routing or bookkeeping information only; sglang-router adds some of them (`model`)
 # to every body it forwards. Ignored whatever their value.
 _INFORMATIONAL_FIELDS = {"model", "routing_key", "priority", "log_metrics", "no_logs", "extra_key", "custom_labels",
@@ -173,6 +176,11 @@ class BuiltinEngine:
         rids = per_item("rid", None)
         return_logprob = per_item("return_logprob", False)
         start_len = per_item("logprob_start_len", -1)
+        routed = per_item("return_routed_experts", False)
+        routed_start = per_item("routed_experts_start_len", 0)
+        if any(routed) and not self.scheduler.moe_top_k:
+            raise BadRequestError(f"return_routed_experts: {self.model.config.model_type} model "
+                                  f"{self.model_path} has no MoE layers, so no routed experts to return")
         for lora_path in per_item("lora_path", None):  # merged into the weights: only the loaded one (lora.py)
             self.lora.check_request(lora_path)
         # validate every item before submitting any, so a bad item leaves no orphaned work behind
@@ -181,10 +189,16 @@ class BuiltinEngine:
             params = SamplingParams.from_request(sampling[i])
             ids = self._tokens(item)
             self.scheduler.check_input(ids, params.max_new_tokens)
+            start_routed = routed_start[i] if routed_start[i] is not None else 0
+            if routed[i] and not (isinstance(start_routed, int) and 0 <= start_routed <= len(ids)):
+                raise BadRequestError(f"routed_experts_start_len={start_routed!r} must be an integer in "
+                                      f"[0, {len(ids)}] (the prompt's tokens)")
             parsed.append((ids, params, rids[i] or self._new_rid(),
-                           start_len[i] if return_logprob[i] and start_len[i] is not None else -1))
-        futures = [self.scheduler.submit(ids, params, rid, logprob_start_len=start)
-                   for ids, params, rid, start in parsed]
+                           start_len[i] if return_logprob[i] and start_len[i] is not None else -1,
+                           bool(routed[i]), start_routed))
+        futures = [self.scheduler.submit(ids, params, rid, logprob_start_len=start, return_routed_experts=routed_i,
+                                         routed_experts_start_len=routed_from)
+                   for ids, params, rid, start, routed_i, routed_from in parsed]
         started = time.perf_counter()
         results = await asyncio.gather(*futures)
         finished = time.perf_counter()
@@ -225,6 +239,13 @@ class BuiltinEngine:
             start = max(request.logprob_start_len, 0)
             meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
                                             zip(request.input_logprobs, request.input_ids[start:], strict=False)]
+        if request.return_routed_experts:  # every fed token: prompt + output less the last (never fed)
+            end = len(request.input_ids) + len(request.output_ids) - 1
+            if (request.finish_reason or {}).get("type") == "abort":  # aborted while waiting: never prefilled
+                end = min(end, sum(len(chunk) for chunk in request.routed_experts))
+            start = min(request.routed_experts_start_len, end)
+            meta["routed_experts"] = encode_routed_experts(request.routed_experts, start, end)
+            meta["routed_experts_start_len"] = start
         return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ control
@@ -241,8 +262,8 @@ class BuiltinEngine:
             for path in files:
                 state.update(load_file(path))
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-            missing = sorted(set(self.weights.targets.tensors) - set(state) - tied)
-            unexpected = sorted(set(state) - set(self.weights.targets.tensors))
+            missing = [name for name in self.weights.targets.missing(set(state)) if name not in tied]
+            unexpected = sorted(name for name in state if self.weights.targets.target(name) is None)
             if missing or unexpected:  # checked before anything is copied: a refused update changes nothing
                 raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
                                  f"unexpected {unexpected[:5]}")

@@ -17,7 +17,8 @@ captures graphs over them.
 
 A group is fused only when its members share input size, dtype and device and have all or none of the
 biases; otherwise it is left to the modules (logged once, naming the group). `--disable-fused-projections`
-keeps every module unfused.
+keeps every module unfused. A layer whose MLP is a sparse MoE block (Qwen3-MoE, moe.py) fuses q/k/v only: its
+experts already hold gate and up as one fused parameter (`gate_up_proj`), and it has no gate_proj/up_proj.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime.engines.builtin.moe import is_moe_block
 from slime.offload import Slot, module_slots
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,9 @@ class ProjectionFusion:
         for i, layer in enumerate(model.model.layers):
             for kind, owner, names, out in (("q/k/v", layer.self_attn, ATTENTION, self.attention),
                                             ("gate/up", layer.mlp, MLP, self.mlp)):
+                if kind == "gate/up" and is_moe_block(owner):  # the experts' gate/up are fused already
+                    out.append(None)
+                    continue
                 modules = [getattr(owner, name, None) for name in names]
                 reason = "missing modules" if None in modules else fusion_obstacle(modules)
                 if reason is not None:

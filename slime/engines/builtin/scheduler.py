@@ -47,6 +47,7 @@ import torch
 
 from slime.engines.builtin.batch import Request, _Batch, _SlotBatch
 from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.moe import moe_top_k
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler_dynamic import DynamicCachePath
 from slime.engines.builtin.scheduler_slots import SlotCachePath
@@ -123,6 +124,9 @@ class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
             with torch.cuda.device(device):  # the members' old storage, freed layer by layer
                 torch.cuda.empty_cache()
         self.eos_ids = self._eos_ids()
+        # MoE models (moe.py): the experts a token is routed to; 0 for a dense model, which refuses
+        # return_routed_experts
+        self.moe_top_k = moe_top_k(model)
         self.weight_version = "default"
         self._arrivals = itertools.count()
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
@@ -186,15 +190,19 @@ class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
         if bad:
             raise BadRequestError(f"input_ids holds {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def submit(self, input_ids: list[int], params: SamplingParams, rid: str, logprob_start_len: int = -1) -> asyncio.Future:
+    def submit(self, input_ids: list[int], params: SamplingParams, rid: str, logprob_start_len: int = -1,
+               return_routed_experts: bool = False, routed_experts_start_len: int = 0) -> asyncio.Future:
         """Queue a request; the returned future (of the calling event loop) resolves to the Request."""
+        if return_routed_experts and not self.moe_top_k:
+            raise BadRequestError("return_routed_experts: the model has no MoE layers (no experts to report)")
         self.check_input(input_ids, params.max_new_tokens)
         loop = asyncio.get_running_loop()
         seed = params.sampling_seed if params.sampling_seed is not None else self.seed * 1_000_003 + next(self._arrivals)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
         request = Request(rid, list(input_ids), params, random.Random(seed), loop.create_future(), loop,
                           logprob_start_len=logprob_start_len, stop_ids=stop_ids,
-                          limit=min(params.max_new_tokens, self.context_length - len(input_ids)))
+                          limit=min(params.max_new_tokens, self.context_length - len(input_ids)),
+                          return_routed_experts=return_routed_experts, routed_experts_start_len=routed_experts_start_len)
         self.stats.arrived()
         self._inbox.put(request)
         self._wake.set()

@@ -15,13 +15,26 @@ from slime.engines.builtin.batch import (
     left_padded,
     transformers_forward,
 )
+from slime.engines.builtin.moe import capture_routing, routing_record
 
 
 class DynamicCachePath:
     """The `transformers` forward over a `DynamicCache`: the prefill of the groups the slot prefill does not take
     (in slot mode too: `_merge_slots` copies its cache into the slots), and with `kv_cache="dynamic"` the running
-    rows, right-aligned in one shared cache: merged, decoded and trimmed. Part of `Scheduler` (scheduler.py),
-    whose state it uses."""
+    rows, right-aligned in one shared cache: merged, decoded and trimmed. A MoE model's routed experts, where asked,
+    are those its routers chose in these forwards. Part of `Scheduler` (scheduler.py), whose state it uses."""
+
+    def _forward(self, requests: list[Request], ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: DynamicCache, all_positions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`transformers_forward`, and when a row asked for them (MoE models) the routed experts its own routers
+        chose, [B, T, L, k] int32 on the host (`moe.capture_routing`); else None."""
+        if not (self.moe_top_k and any(r.return_routed_experts for r in requests)):
+            return transformers_forward(self.model, ids, mask, positions, cache, all_positions), None
+        with capture_routing(self.model) as seen:
+            logits = transformers_forward(self.model, ids, mask, positions, cache, all_positions)
+        batch, width = ids.shape
+        record = routing_record([None if s is None else s.view(batch, width, -1) for s in seen], self.moe_top_k)
+        return logits, record.cpu()
 
     def _score_prompts(self, requests: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
         """SGLang's input_token_logprobs: log p(token_i | tokens_<i) for i >= logprob_start_len,
@@ -41,7 +54,9 @@ class DynamicCachePath:
         ids, mask, positions = left_padded([r.input_ids for r in requests], self.device)
         cache = DynamicCache(config=self.model.config)
         scoring = any(r.logprob_start_len >= 0 for r in requests)
-        logits = transformers_forward(self.model, ids, mask, positions, cache, all_positions=scoring)
+        logits, routing = self._forward(requests, ids, mask, positions, cache, all_positions=scoring)
+        width = ids.shape[1]  # left-padded: row i's prompt is its last n_i columns
+        self._keep_routing(requests, routing, [slice(width - len(r.input_ids), width) for r in requests])
         if scoring:
             self._score_prompts(requests, logits, ids)
             logits = logits[:, -1, :]
@@ -76,8 +91,9 @@ class DynamicCachePath:
         start = time.perf_counter()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], dim=1)
         positions = (batch.mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
-        logits = transformers_forward(self.model, batch.next_tokens.unsqueeze(1), batch.mask, positions,
-                                      batch.cache)
+        logits, routing = self._forward(batch.requests, batch.next_tokens.unsqueeze(1), batch.mask, positions,
+                                        batch.cache)
+        self._keep_routing(batch.requests, routing)
         launched = time.perf_counter()
         tokens, logprobs = self._sample(batch.requests, logits)
         sampled = time.perf_counter()

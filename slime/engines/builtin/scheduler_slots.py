@@ -30,9 +30,13 @@ class SlotCachePath:
         first = len(self._batch.requests) if self._batch else 0
         decoder = self._slot_decoder()
         lengths = [len(r.input_ids) for r in requests]
-        logits = torch.cat([decoder.prefill([r.input_ids for r in requests[start:end]], first_slot=first + start)
-                            for start, end in self._prefill_chunks(lengths)])
-        self._append_slots(requests, self._choose(requests, logits), lengths)
+        chunks = []
+        for start, end in self._prefill_chunks(lengths):
+            chunks.append(decoder.prefill([r.input_ids for r in requests[start:end]], first_slot=first + start))
+            # the prompts' routed experts (MoE): row i's first n_i positions (the rest is padding)
+            self._keep_routing(requests[start:end], self._routing_to_host(requests[start:end], decoder.last_routing),
+                               [slice(0, n) for n in lengths[start:end]])
+        self._append_slots(requests, self._choose(requests, torch.cat(chunks)), lengths)
 
     def _prefill_chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
         """[start, end) row ranges, in order, each at most `chunked_prefill_size` padded tokens (its rows x its
@@ -74,22 +78,28 @@ class SlotCachePath:
         start = time.perf_counter()
         if batch.pending is not None:
             logits, batch.pending = batch.pending, None
+            routing, batch.pending_routing = batch.pending_routing, None
         else:
             logits = self._slots.decode(batch.next_tokens, batch.lengths)
+            routing = self._slots.last_routing
             batch.lengths = [n + 1 for n in batch.lengths]
         launched = time.perf_counter()
         tokens, logprobs = self._sample(batch.requests, logits)
         batch.next_tokens = tokens
+        # the fed tokens' routed experts (MoE), queued before the next decode replays over their buffer
+        routed = self._routing_to_host(batch.requests, None if routing is None else routing.unsqueeze(1))
         fetch = self._copy_to_host(tokens, logprobs)  # before the next decode: not waited for
         sampled = time.perf_counter()
         if (self.overlap and not self._waiting and self._inbox.empty()
                 and any(len(r.output_ids) + 1 < r.limit for r in batch.requests)):
             batch.pending = self._slots.decode(tokens, batch.lengths)
+            batch.pending_routing = self._slots.last_routing
             batch.lengths = [n + 1 for n in batch.lengths]
             self.decodes_ahead += 1
         ahead = time.perf_counter()
         host = fetch()
         fetched = time.perf_counter()
+        self._keep_routing(batch.requests, routed)
         self._record(batch.requests, *host)
         end = time.perf_counter()
         self.stats.decoded(len(batch.requests), (launched - start) + (ahead - sampled), sampled - launched,
@@ -100,7 +110,7 @@ class SlotCachePath:
         positions again (rewriting the same cache entries)."""
         batch = self._batch
         if isinstance(batch, _SlotBatch) and batch.pending is not None:
-            batch.pending = None
+            batch.pending = batch.pending_routing = None
             batch.lengths = [n - 1 for n in batch.lengths]
 
     def _compact_slots(self, batch: _SlotBatch, keep: list[int]) -> None:
@@ -120,3 +130,5 @@ class SlotCachePath:
         batch.next_tokens = batch.next_tokens.index_select(0, order_index)
         if batch.pending is not None:
             batch.pending = batch.pending.index_select(0, order_index)
+        if batch.pending_routing is not None:
+            batch.pending_routing = batch.pending_routing.index_select(0, order_index)

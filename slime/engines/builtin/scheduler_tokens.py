@@ -51,6 +51,27 @@ class TokenChoice:
                 if token in request.stop_ids or request.params.stop or len(output) >= request.limit:
                     self._check_stop(request)
 
+    def _routing_to_host(self, requests: list[Request], routing: torch.Tensor | None) -> torch.Tensor | None:
+        """Start copying a forward's routed experts (int32 [B, T, L, k]) to the host when a row asked for them;
+        None when none did (or the model has no MoE layers). On CUDA the copy is queued without a wait: it is
+        complete once the next `_copy_to_host`'s wait returns (that event is recorded after it, on the same
+        stream), which every caller reaches before the records are read."""
+        if routing is None or not any(r.return_routed_experts for r in requests):
+            return None
+        if self.device.type != "cuda":
+            return routing
+        return routing.to("cpu", non_blocking=True)
+
+    def _keep_routing(self, requests: list[Request], routing: torch.Tensor | None,
+                      columns: list[slice] | None = None) -> None:
+        """Append to each asking row's record the routed experts of the tokens it fed: `routing` [B, T, L, k] on
+        the host (`_routing_to_host`), row i's tokens at columns `columns[i]` (all T when None)."""
+        if routing is None:
+            return
+        for row, request in enumerate(requests):
+            if request.return_routed_experts:
+                request.routed_experts.append(routing[row] if columns is None else routing[row, columns[row]])
+
     def _copy_to_host(self, *tensors: torch.Tensor) -> Callable[[], list[list[Any]]]:
         """Start copying step results to the host; the returned function waits for them. On CUDA
         the wait happens in `Event.synchronize`, which releases the GIL, so the HTTP thread accepts

@@ -1,4 +1,4 @@
-"""A slot KV cache and a graph-captured decode step for the built-in engine (Qwen2, Qwen3, Llama).
+"""A slot KV cache and a graph-captured decode step for the built-in engine (Qwen2, Qwen3, Qwen3-MoE, Llama).
 
 The generic path of the scheduler (a `transformers` forward over a left-padded `DynamicCache`) pays,
 at every decode step, for concatenating the cache, a Python-level model forward (hundreds of kernel
@@ -33,6 +33,13 @@ outputs split, on CPU as on CUDA (`projections=None` keeps the modules' five GEM
 In the decode step the rotary and the two key/value cache writes (`keys[rows, :, positions] = k`, an
 advanced-index `index_put_` each) are likewise one compiled function (`rotate_write_kv`, `fuse_kv_write=False`
 keeps the compiled rotary and the two writes); the prefill writes contiguous slices and keeps them.
+
+Qwen3-MoE: a layer whose MLP is a sparse MoE block runs it with `moe.py` over the block's own parameters (its
+router's top-k, then the experts grouped by expert id; no loop over tokens). The decode step uses a dispatch that
+can be captured in a CUDA graph (grouped GEMMs with device-side offsets on bf16 sm80+, else every expert on every
+row, masked), the prefill an eager one (`moe.dispatch_modes`). Every step and prefill also records the experts
+each fed token was routed to, [rows, tokens, num_hidden_layers, k] int32 (`last_routing`), from which the
+scheduler answers `return_routed_experts`.
 """
 
 from __future__ import annotations
@@ -49,10 +56,18 @@ from transformers import DynamicCache
 
 from slime.compiled import compiled
 from slime.engines.builtin.fusion import ProjectionFusion
+from slime.engines.builtin.moe import (
+    dispatch_modes,
+    experts_forward,
+    moe_layers,
+    moe_top_k,
+    route,
+    routing_record,
+)
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 
 
 def slot_support(model: Any) -> str | None:
@@ -62,6 +77,8 @@ def slot_support(model: Any) -> str | None:
         return f"model type {config.model_type!r} (slot decoding covers {', '.join(SUPPORTED_MODEL_TYPES)})"
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         return "sliding-window attention"
+    if config.model_type == "qwen3_moe" and not any(moe_layers(model)):
+        return "a qwen3_moe model whose MoE blocks are not the fused-experts layout of transformers 5.x"
     return None
 
 
@@ -161,6 +178,13 @@ class SlotDecoder:
                                        "for the rotary and two cache writes", dynamic=True)
                               if self.fuse_kv_write else rotate_write_kv_fn(self._rotate))
         dtype = next(model.parameters()).dtype
+        # MoE layers (moe.py): which layers route, how the decode step and the prefill dispatch their experts
+        self.moe = moe_layers(model)
+        self.top_k = moe_top_k(model)
+        self.moe_decode_mode, self.moe_prefill_mode = dispatch_modes(device, dtype, self.cuda_graphs)
+        # the routed experts of the last decode [B, L, k] or prefill [R, W, L, k] (None for a dense model); on CUDA
+        # a decode's is a view of the graph's output, valid until the next replay (as its logits)
+        self.last_routing: torch.Tensor | None = None
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -170,7 +194,7 @@ class SlotDecoder:
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where it goes in its slot
         self.batch_buckets = _buckets(slots, 8) if self.cuda_graphs else []
         self.length_buckets = _buckets(max_len, 128)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._pool = None
         per_token = 2 * len(self.layers) * self.kv_heads * self.head_dim * self.keys[0].element_size()
         logger.info("slot KV cache: %d slots x %d tokens (%.2f GiB)%s", slots, max_len,
@@ -236,7 +260,9 @@ class SlotDecoder:
                                                  enable_gqa=self.heads != self.kv_heads)  # [R, heads, W, D]
             return out.transpose(1, 2).reshape(rows, width, self.heads * self.head_dim)
 
-        x = self._layers(hidden, cos, sin, attend)
+        routing: list[torch.Tensor | None] = []
+        x = self._layers(hidden, cos, sin, attend, moe_mode=self.moe_prefill_mode, routing=routing)
+        self.last_routing = routing_record(routing, self.top_k) if any(self.moe) else None
         return self.model.lm_head(x[torch.arange(rows, device=self.device), last])
 
     # ------------------------------------------------------------------ decode
@@ -251,14 +277,16 @@ class SlotDecoder:
         self.tokens[:batch] = tokens
         self.positions[:batch] = torch.tensor(positions, dtype=torch.long)
         if not self.cuda_graphs:
-            return self._step(batch, length)
+            logits, self.last_routing = self._step(batch, length)
+            return logits
         bucket = next(b for b in self.batch_buckets if b >= batch)
         self.tokens[batch:] = 0
         self.positions[batch:] = 0  # free slots: their writes land at position 0 and are never read
         if not self._graphs:
             self._capture_all()
-        graph, logits = self._graphs[(bucket, length)]
+        graph, logits, routing = self._graphs[(bucket, length)]
         graph.replay()
+        self.last_routing = routing[:batch] if routing is not None else None
         return logits[:batch]
 
     def _capture_all(self) -> None:
@@ -272,7 +300,7 @@ class SlotDecoder:
                 self._graphs[(batch, length)] = self._capture(batch, length)
         logger.info("captured %d decode graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
-    def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernel selection)
@@ -280,9 +308,9 @@ class SlotDecoder:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(batch, length)
+            logits, routing = self._step(batch, length)
         self._pool = graph.pool()
-        return graph, logits
+        return graph, logits, routing
 
     def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
@@ -296,6 +324,14 @@ class SlotDecoder:
             return fused(x)
         return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
 
+    def _moe(self, mlp: Any, x: torch.Tensor, mode: str, routing: list[torch.Tensor | None]) -> torch.Tensor:
+        """A sparse MoE block over x [B, T, H] (moe.py), its router's ids [B, T, k] appended to `routing`."""
+        batch, width, size = x.shape
+        flat = x.reshape(batch * width, size)
+        weights, ids = route(mlp.gate, flat)
+        routing.append(ids.view(batch, width, -1))
+        return experts_forward(mlp.experts, flat, weights, ids, mode).view(batch, width, size)
+
     def _mlp(self, layer: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         fused = self.projections.mlp[layer] if self.projections is not None else None
         if fused is not None:
@@ -308,7 +344,8 @@ class SlotDecoder:
             return mlp.down_proj(self._silu_mul(gate, up))
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def _step(self, batch: int, length: int) -> torch.Tensor:
+    def _step(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode step's logits [B, V] and routed experts [B, L, k] (None for a dense model)."""
         model = self.model.model
         tokens, positions = self.tokens[:batch], self.positions[:batch]
         rows = torch.arange(batch, device=self.device)
@@ -329,15 +366,21 @@ class SlotDecoder:
                                                  attn_mask=mask, scale=self.scaling)
             return out.reshape(batch, 1, self.heads * self.head_dim)
 
-        return self.model.lm_head(self._layers(hidden, cos, sin, attend, rotate=False))[:, 0]
+        routing: list[torch.Tensor | None] = []
+        x = self._layers(hidden, cos, sin, attend, rotate=False, moe_mode=self.moe_decode_mode, routing=routing)
+        record = routing_record(routing, self.top_k)[:, 0] if any(self.moe) else None
+        return self.model.lm_head(x)[:, 0], record
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any,
-                rotate: bool = True) -> torch.Tensor:
+                rotate: bool = True, moe_mode: str = "sorted",
+                routing: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """The decoder layers and the final norm over `hidden` [B, T, H] (T = 1 in a decode step, the prompt
         width in a prefill): the normed last hidden states [B, T, H]. `attend(layer, q, k, v)` gets the rotated
         queries [B, heads, T, D] and keys, values [B, kv_heads, T, D], stores the keys/values where they belong
         and returns the attention output [B, T, heads * D]. With `rotate=False` it gets q and k unrotated and
-        rotates them itself (the decode step's `rotate_write_kv`, fused or not)."""
+        rotates them itself (the decode step's `rotate_write_kv`, fused or not). A MoE layer dispatches its experts
+        by `moe_mode` and appends its router's ids [B, T, k] to `routing` (a layer without a router appends None)."""
+        routing = [] if routing is None else routing
         batch, width = hidden.shape[:2]
         x = self.layers[0].input_layernorm(hidden)  # later norms come with their residual add
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.model.model.norm]
@@ -354,5 +397,10 @@ class SlotDecoder:
                 q, k = self._rotate(q, k, cos, sin)
             out = attention.o_proj(attend(i, q, k, v.transpose(1, 2)))
             hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
-            hidden, x = self._add_norm(hidden, self._mlp(i, layer.mlp, x), next_norm)
+            if self.moe[i]:
+                mlp_out = self._moe(layer.mlp, x, moe_mode, routing)
+            else:
+                mlp_out = self._mlp(i, layer.mlp, x)
+                routing.append(None)
+            hidden, x = self._add_norm(hidden, mlp_out, next_norm)
         return x

@@ -18,6 +18,9 @@ Either way every tensor is checked against the model (name known, shape equal, f
 before any is applied, then copied into the existing parameters on the model thread between two
 steps (`Scheduler.run_command`): the parameters keep their storage, so captured CUDA graphs and the
 slot decoder stay valid. Incoming tensors are cast to the engine's dtype, as SGLang's loaders do.
+MoE experts may be named one by one (`...mlp.experts.{e}.gate_proj.weight`, as checkpoints and slime's trainer
+name them) or by the model's fused parameters (`...mlp.experts.gate_up_proj`); the former are copied into their
+block of the fused parameter (`moe.expert_aliases`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime.engines.builtin.moe import expert_aliases
 from slime.engines.builtin.sampling import BadRequestError
 
 logger = logging.getLogger(__name__)
@@ -121,15 +125,38 @@ def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: An
 
 
 class WeightTargets:
-    """The model's named parameters and persistent buffers, for checking and in-place copies."""
+    """The model's named parameters and persistent buffers, for checking and in-place copies; per-expert names
+    of a fused-experts MoE model resolve to blocks of its fused parameters (`aliases`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.aliases = expert_aliases(model)
+
+    def target(self, name: str) -> torch.Tensor | None:
+        """The tensor `name` writes (a view for a per-expert name, taken now: a memory release may have moved
+        the parameter since start), or None if the model has none of that name."""
+        if name in self.tensors:
+            return self.tensors[name]
+        alias = self.aliases.get(name)
+        if alias is None:
+            return None
+        fused, expert, rows = alias
+        block = self.tensors[fused][expert]
+        return block if rows is None else block[rows]
+
+    def missing(self, names: set[str]) -> list[str]:
+        """The model's tensors that `names` (a whole checkpoint) leaves unwritten: neither named themselves nor
+        covered by all of their per-expert names."""
+        pieces: dict[str, set[str]] = {}
+        for alias, (fused, _, _) in self.aliases.items():
+            pieces.setdefault(fused, set()).add(alias)
+        return sorted(name for name in self.tensors
+                      if name not in names and not (name in pieces and pieces[name] <= names))
 
     def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
         """BadRequestError naming the tensor if it cannot be copied into the model."""
-        target = self.tensors.get(name)
+        target = self.target(name)
         if target is None:
             raise BadRequestError(f"tensor {name!r} is not a parameter of the model "
                                   f"(the model has {len(self.tensors)}, e.g. {next(iter(self.tensors), None)!r})")
@@ -142,7 +169,7 @@ class WeightTargets:
         """Copy (cast) every tensor into its parameter, in place (model thread only)."""
         with torch.no_grad():
             for name, tensor in named:
-                self.tensors[name].copy_(tensor)
+                self.target(name).copy_(tensor)
 
 
 @dataclass
