@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -21,8 +21,10 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.states import State
+from prefect.transactions import get_transaction
 
 from slime.backends.megatron.checkpoint import latest_checkpoint
 from slime.config import Config
@@ -150,6 +152,31 @@ def table_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return view + older[len(older) - len(older) % SUMMARY_BLOCK:] + recent
 
 
+@contextlib.contextmanager
+def released_step_runs() -> Iterator[None]:
+    """Let go of what Prefect keeps of an iteration's finished step task runs once the iteration is done, so the
+    driver's memory stays flat over thousands of iterations (the 500-iteration soak: +80 KB per iteration).
+
+    Inside the `rl` stage task, each step task's transaction becomes a child of the stage's, to be committed when
+    the stage commits, and each step's result is entered in the flow run's `run_results` (for passing futures to
+    later tasks). Both live until the stage ends: ~130 KB per iteration of five step tasks. The step tasks here
+    cache nothing and persist nothing, so committing their transactions at the end of their iteration (on
+    success only: a failed iteration is left to Prefect's rollback) changes nothing but when, and no later task
+    receives an earlier iteration's result object."""
+    flow_run = FlowRunContext.get()
+    stage = get_transaction()
+    known = set(flow_run.run_results) if flow_run is not None else set()
+    first_child = len(stage.children) if stage is not None else 0
+    yield
+    if stage is not None:
+        for child in stage.children[first_child:]:
+            child.commit()
+        del stage.children[first_child:]
+    if flow_run is not None:
+        for key in set(flow_run.run_results) - known:
+            del flow_run.run_results[key]
+
+
 def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], Any] | None = None
           ) -> list[dict[str, Any]]:
     """Every remaining iteration as step tasks, with a progress artifact and the metrics table updated
@@ -174,7 +201,7 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
             tasks_s += spent - result["step_s"]
             return result
 
-        with slot():  # the GPUs for this iteration (scheduled evals wait)
+        with released_step_runs(), slot():  # the GPUs for this iteration (scheduled evals wait)
             if loop.eval_due(rollout_id, before_train=True):
                 step("eval", eval_step, loop, rollout_id, before_train=True)
             rollout = step("rollout", rollout_step, loop, rollout_id)

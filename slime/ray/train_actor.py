@@ -40,6 +40,7 @@ from typing import Any
 from slime.backends.megatron.hooks import load_megatron_hooks
 from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
+from slime.heap import trim_heap
 from slime.net import find_free_port
 from slime.ray.ci_checks import check_ci, check_grad_norms, save_grad_norms
 from slime.ray.train_checkpoints import CheckpointIO
@@ -284,6 +285,9 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
 
             metrics.update({"lora/rank": float(self.lora_spec.rank), "lora/peak_memory_bytes": _peak_memory_bytes(),
                             **{f"lora/{k}_params": float(v) for k, v in count_parameters(self.models).items()}})
+        trimmed = trim_heap()  # the call's freed host memory back to the OS: RSS stays flat over long runs
+        if trimmed is not None:
+            metrics["perf/heap_trim_time"] = trimmed
         metrics.update({"train/steps": float(steps), "train/samples": float(len(samples)),
                         "rollout/raw_reward": sum(raw) / len(raw),
                         "perf/read_time": t1 - t0, "perf/log_probs_time": t2 - t1, "perf/train_step_time": t3 - t2,
