@@ -61,7 +61,7 @@ def source_commit() -> str:
     raise ValueError(f"{TABLE}: header names no commit")
 
 
-_NO_MOE = "MoE routing replay is not built here (no MoE model support)"
+_NO_MOE = "MoE routing replay is not built here: MoE models train, but the engines do not return the experts they routed to"
 
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
