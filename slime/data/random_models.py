@@ -48,3 +48,44 @@ def save_random_qwen2(out_dir: str | Path, size: str = "0.5b", dtype: torch.dtyp
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     return Path(out_dir)
+
+
+# Qwen3-MoE: a CPU-sized "tiny" (every layer sparse, 8 experts, top-2, a vocabulary that Megatron pads) and
+# Qwen3-30B-A3B's per-layer dimensions with 4 of its 48 layers, for GPU work on one card
+QWEN3_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 vocab_size=260, tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "30b-a3b-scaled": dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                           head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                           num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6),
+}
+
+
+def qwen3_moe_config(size: str, max_position_embeddings: int = 4096, **overrides: Any) -> Any:
+    """The `Qwen3MoeConfig` of a `QWEN3_MOE_SHAPES` size: every layer sparse, top-k weights renormalised
+    (`norm_topk_prob`, as Qwen3-30B-A3B ships; transformers' default is False), rope theta 1e6."""
+    from transformers import Qwen3MoeConfig
+
+    if size not in QWEN3_MOE_SHAPES:
+        raise ValueError(f"unknown Qwen3-MoE size {size!r}; known: {', '.join(QWEN3_MOE_SHAPES)}")
+    options = dict(max_position_embeddings=max_position_embeddings, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                   **QWEN3_MOE_SHAPES[size])
+    return Qwen3MoeConfig(**{**options, **overrides})
+
+
+def save_random_qwen3_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.dtype = torch.float32,
+                          seed: int = 0, max_position_embeddings: int = 4096, **overrides: Any) -> Path:
+    """Write a seeded random-weight Qwen3-MoE of `size` (config fields in `overrides`) with the tiny kit's
+    tokenizer to `out_dir`, experts one tensor each (`mlp.experts.{e}.gate_proj.weight`, ...) as the published
+    checkpoints hold them: transformers 5 fuses them in memory and splits them again on save."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from slime.data.tiny import build_tokenizer
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(qwen3_moe_config(size, max_position_embeddings, **overrides)).to(dtype)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return Path(out_dir)

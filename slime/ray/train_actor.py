@@ -138,6 +138,7 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
 
         from slime.backends.megatron.bridge import (
             build_model,
+            expert_parallel_sizes,
             init_megatron,
             make_bridge,
             model_parallel_sizes,
@@ -161,9 +162,11 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
                               "policy_loss only")
         self.hooks = load_megatron_hooks(c.as_namespace())  # signature-checked before any process group
         tp, pp = model_parallel_sizes(c.megatron, self.world_size)
+        ep, etp = expert_parallel_sizes(c.megatron, self.world_size, tp, pp)
         init_megatron(seed=c.run.seed, tensor_parallel=tp, pipeline_parallel=pp, rank=self.rank,
                       world_size=self.world_size, init_method=init_method,
-                      timeout_minutes=c.cluster.distributed_timeout_minutes, megatron=c.megatron)
+                      timeout_minutes=c.cluster.distributed_timeout_minutes, megatron=c.megatron,
+                      expert_parallel=ep, expert_tensor_parallel=etp)
         import torch
 
         if c.cluster.share_gpu and torch.cuda.is_available():  # the engine holds the rest of this GPU

@@ -7,6 +7,10 @@ first-fit in sample order: each sample goes into the first open micro-batch that
 limit with it, else opens a new one; a sample longer than the limit sits alone in its own micro-batch.
 slime packs without padding (THD) and also first-fit (`slime/utils/seqlen_balancing.py`); the loss
 normalisation does not depend on the partition, so any packing gives the same update up to rounding.
+
+With expert parallelism every micro-batch's forward and backward exchange tokens with the other ranks of
+the expert-parallel group (megatron's alltoall dispatcher), so those ranks must run as many micro-batches
+as each other; `check_expert_parallel_counts` refuses a step where they would not (they would hang).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from slime.errors import ConfigError
 
@@ -106,3 +112,22 @@ def balanced_partition(workloads: list[float], parts: int, equal_size: bool = Tr
                         key=lambda g: -g[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
     return [sorted(members) for _, members in heap[0][2]] if heap else [[] for _ in range(parts)]
+
+
+def check_expert_parallel_counts(count: int, device: torch.device | str) -> None:
+    """Refuse, on every rank alike, `count` micro-batches when another rank of this rank's expert-parallel group
+    has a different count: each MoE layer's token exchange is a collective of the whole group, so unequal
+    counts would leave ranks waiting for each other until the process-group timeout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_expert_model_parallel_world_size() <= 1:
+        return
+    bounds = torch.tensor([count, -count], dtype=torch.int64, device=device)  # max of -count is -min
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ConfigError(f"expert parallelism: this rank has {count} micro-batches, others of its expert-parallel "
+                          f"group between {fewest} and {most}; every rank must run as many (the experts exchange "
+                          "tokens in each one): give each data-parallel rank as many samples with a fixed "
+                          "micro_batch_size (dynamic batching is not yet balanced over ranks)")

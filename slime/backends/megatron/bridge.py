@@ -32,6 +32,18 @@ machine here lack TE); `make_bridge` fixes each on the bridge instance, never on
 mbridge also writes the tied-embedding mapping into its *class* dict at construction, so a process
 that bridges a tied and then an untied model would map the output layer wrongly; each bridge gets
 its own copy of the maps. Research notes: ../shared/research/megatron.md.
+
+Mixture-of-experts (Qwen3-MoE, `qwen3_moe`): mbridge's bridge asks for grouped-GEMM experts, which are
+Transformer Engine's (or the `grouped_gemm` package's); without TE the experts are megatron-core's
+`SequentialMLP` (`moe_grouped_gemm=False`), whose parameters are `mlp.experts.local_experts.{i}.linear_fc1
+.weight`, where mbridge's maps know TE's `mlp.experts.linear_fc1.weight{i}`. `_moe_names` renames the one
+into the other in the local -> global name map (expert ids made global under expert parallelism, as mbridge
+does for TE's names), so mbridge's loading, export and tensor-parallel splits apply unchanged. mbridge's
+Qwen3-MoE router always renormalises the top-k weights (`moe_router_pre_softmax=False`); it is set from the
+HF config's `norm_topk_prob` instead. The load-balancing loss follows the megatron options (`moe_options`).
+megatron-core 0.16.1's router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not None`,
+a name its module defines only when Transformer Engine imports (NameError otherwise): `make_bridge` defines it
+as None, megatron's own "no TE" value, which selects its torch.mm path.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import dataclasses
 import datetime as dt
 import importlib.util
 import logging
+import re
 import types
 import warnings
 import weakref
@@ -64,6 +77,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
 
     from slime.backends.megatron import (
         cuda_graphs,
@@ -77,14 +91,26 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
+# model types mbridge has a bridge for that are not built here yet, and why
+NOT_YET_SUPPORTED = {
+    "deepseek_v3": "multi-latent attention (MLA) needs megatron-core's MLA layer spec, which mbridge builds only with "
+                   "Transformer Engine, and its MTP layers are not trained here",
+    "glm4_moe": "GLM-4.5's partial rotary embedding (partial_rotary_factor 0.5) is not passed on by mbridge's glm4_moe "
+                "bridge (it would rotate every dimension), and its grouped sigmoid routing with expert bias is not "
+                "checked against the HF model here",
+}
+# a SequentialMLP expert's parameter: layer prefix, local expert id, linear_fc1|linear_fc2
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 # mbridge's local -> global parameter names of each (unwrapped) model chunk, see `_local_to_global`
 _LOCAL_TO_GLOBAL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *, rank: int = 0,
                   world_size: int = 1, init_method: str | None = None, timeout_minutes: float = 10,
-                  megatron: dict[str, Any] | None = None) -> None:
+                  megatron: dict[str, Any] | None = None, expert_parallel: int = 1,
+                  expert_tensor_parallel: int | None = None) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) and Megatron's parallel state for this rank.
 
     A single process (conversion, one-rank training) needs no arguments beyond the seed; data-parallel
@@ -92,7 +118,9 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
     On CPU the compatibility layer is activated first. `megatron` is the run's megatron pass-through
     section (the options `make_bridge` gets): when it asks for CUDA graphs (`cuda_graphs.requested`) the
     CUDA RNG tracker is the graph-safe one megatron's graph managers require; the tracker is made anew
-    on every call, so one process can seed a run with graphs after one without.
+    on every call, so one process can seed a run with graphs after one without. `expert_parallel` and
+    `expert_tensor_parallel` (None: the tensor-parallel size) split each MoE layer's experts (see
+    `expert_parallel_sizes`), as the parallel sizes do, only where given: conversion runs on one rank.
     """
     graphs = cuda_graphs.requested(megatron or {})
     if graphs:
@@ -111,7 +139,9 @@ def init_megatron(seed: int, tensor_parallel: int = 1, pipeline_parallel: int = 
         dist.init_process_group(backend, init_method=init_method or f"tcp://127.0.0.1:{find_free_port()}",
                                 rank=rank, world_size=world_size, timeout=dt.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
+                                                 expert_model_parallel_size=expert_parallel,
+                                                 expert_tensor_parallel_size=expert_tensor_parallel)
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs, force_reset_rng=True)
 
 
@@ -129,7 +159,26 @@ def model_parallel_sizes(megatron: dict[str, Any], world_size: int,
         raise ConfigError(f"{world_size} train ranks cannot be split into tensor_model_parallel_size {tp} x "
                           f"pipeline_model_parallel_size {pp} groups: TP x PP must divide the number of train "
                           f"ranks ({world})")
+    expert_parallel_sizes(megatron, world_size, tp, pp)
     return tp, pp
+
+
+def expert_parallel_sizes(megatron: dict[str, Any], world_size: int, tensor_parallel: int = 1,
+                          pipeline_parallel: int = 1) -> tuple[int, int]:
+    """(expert, expert-tensor) parallel sizes from the `megatron:` pass-through options
+    (--expert-model-parallel-size, --expert-tensor-parallel-size; the latter defaults to the tensor-parallel
+    size, as in megatron). The experts of a layer are split over EP ranks, each expert's weights over ETP
+    ranks; EP x ETP x PP must divide the world (megatron's expert-data-parallel groups take the rest)."""
+    ep = int(megatron.get("expert_model_parallel_size") or 1)
+    etp = int(megatron.get("expert_tensor_parallel_size") or tensor_parallel)
+    if ep < 1 or etp < 1:
+        raise ConfigError(f"megatron.expert_model_parallel_size ({ep}) and expert_tensor_parallel_size ({etp}) must "
+                          "be >= 1")
+    if world_size % (ep * etp * pipeline_parallel):
+        raise ConfigError(f"{world_size} train ranks cannot be split into expert_model_parallel_size {ep} x "
+                          f"expert_tensor_parallel_size {etp} x pipeline_model_parallel_size {pipeline_parallel} "
+                          "groups: their product must divide the number of train ranks")
+    return ep, etp
 
 
 def close_megatron() -> None:
@@ -156,18 +205,27 @@ def _local_layer_spec(self: Any, vp_stage: int | None = None) -> Any:
 
 def load_hf_config(hf_dir: str) -> Any:
     config = AutoConfig.from_pretrained(hf_dir)
+    if config.model_type in NOT_YET_SUPPORTED:
+        raise ConfigError(f"{hf_dir}: model type {config.model_type!r} is not supported yet: "
+                          f"{NOT_YET_SUPPORTED[config.model_type]}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{hf_dir}: model type {config.model_type!r} is not supported by the Megatron backend; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(config, "rope_theta", None) is None:  # fix 1
         config.rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if config.model_type == "qwen3_moe" and (getattr(config, "mlp_only_layers", None)
+                                             or getattr(config, "decoder_sparse_step", 1) != 1):
+        raise ConfigError(f"{hf_dir}: dense layers among the MoE ones (mlp_only_layers "
+                          f"{config.mlp_only_layers}, decoder_sparse_step {config.decoder_sparse_step}) are not supported "
+                          "yet: mbridge's qwen3_moe bridge builds every layer as MoE (Qwen3-MoE checkpoints ship none)")
     return config
 
 
 # the TransformerConfig fields that decide the shapes and meaning of the weights: the HF checkpoint sets them
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "add_bias_linear",
-                       "qk_layernorm")
+                       "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                       "moe_router_pre_softmax", "moe_shared_expert_intermediate_size")
 
 
 def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
@@ -193,6 +251,11 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     """
     config = load_hf_config(hf_dir)
     bridge = AutoBridge.from_config(config, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    moe = config.model_type in MOE_MODEL_TYPES
+    if moe and not hasattr(moe_utils, "te_general_gemm"):  # see the module docstring
+        moe_utils.te_general_gemm = None
+    if moe:  # before the architecture checks below, which compare with the bridge's config
+        bridge.set_extra_args(moe_grouped_gemm=False, moe_router_pre_softmax=not config.norm_topk_prob)
     cls = type(bridge)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     bridge._DIRECT_MAPPING = {**cls._DIRECT_MAPPING,
@@ -205,6 +268,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         bridge._MLP_MAPPING = {**cls._MLP_MAPPING,
                                "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]}
     options = model_options(megatron or {})
+    if moe:
+        _check_experts(bridge, options)
     if options.get("fp8") and not HAVE_TE:  # megatron-core's FP8 runs only in Transformer Engine's layers
         raise ConfigError(f"megatron.fp8={options['fp8']!r} (--fp8-format, --fp8): FP8 training runs in Transformer Engine's "
                           "layers, and there is no Transformer Engine here: the model is built on megatron-core's "
@@ -227,6 +292,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
         if given != actual:
             raise ConfigError(f"megatron.{name}={given!r}, but the checkpoint {hf_dir} gives {actual!r}: the model's "
                               "shape comes from its HF config; drop the flag or fix it")
+    if moe:
+        defaults.update(moe_options(options))
     chosen = {**defaults, **options}  # the config's options over the fusion defaults
     wgrad_fusion.check_options(chosen)
     if chosen["apply_rope_fusion"] and not rope_fusion.install():
@@ -239,8 +306,56 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     bridge.set_extra_args(**chosen)
     name_map = bridge._weight_name_mapping_mcore_local_to_global  # fix 5
     bridge._weight_name_mapping_mcore_local_to_global = lambda model, consider_ep=True: {
-        k: v for k, v in name_map(model, consider_ep=consider_ep).items() if not is_adapter_name(k)}
+        k: _moe_names(bridge, v, consider_ep) for k, v in name_map(model, consider_ep=consider_ep).items()
+        if not is_adapter_name(k)}
     return bridge
+
+
+def moe_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The MoE defaults over mbridge's, given the model options of the config (`model_options`).
+
+    The router scores in fp32 (`moe_router_dtype`, as HF's router and slime's Qwen3-MoE scripts do). The
+    auxiliary load-balancing loss is off unless `moe_aux_loss_coeff` > 0: mbridge sets the coefficient from
+    the HF config's `router_aux_loss_coef` but switches the loss off (`moe_router_load_balancing_type`
+    "none", for RL), so a coefficient given here selects megatron's default `aux_loss` unless a type is given;
+    a coefficient with type "none" would do nothing and is refused. The router z-loss (`moe_z_loss_coeff`)
+    needs no type. No token is dropped (`moe_expert_capacity_factor` None, mbridge's)."""
+    coeff = options.get("moe_aux_loss_coeff", 0.0)
+    coeffs = coeff if isinstance(coeff, list | tuple) else [coeff]
+    balancing = options.get("moe_router_load_balancing_type")
+    out: dict[str, Any] = {"moe_router_dtype": "fp32", "moe_aux_loss_coeff": 0.0}
+    if any(c > 0 for c in coeffs):
+        if balancing == "none":
+            raise ConfigError(f"megatron.moe_aux_loss_coeff={coeff!r} with moe_router_load_balancing_type 'none': the "
+                              "load-balancing loss would not be computed; drop one of them")
+        if balancing is None:
+            out["moe_router_load_balancing_type"] = "aux_loss"
+    return out
+
+
+def _check_experts(bridge: Any, options: dict[str, Any]) -> None:
+    """Refuse MoE options this build cannot honour, naming why (before megatron's assertions would)."""
+    if options.get("moe_grouped_gemm") and not HAVE_TE:
+        raise ConfigError("megatron.moe_grouped_gemm: grouped-GEMM experts are Transformer Engine's (or the grouped_gemm "
+                          "package's), absent here; the experts run as megatron-core's SequentialMLP")
+    experts, ep = bridge.config.num_moe_experts, bridge.mpu.ep_size
+    if experts % ep:
+        raise ConfigError(f"megatron.expert_model_parallel_size {ep} does not divide the model's {experts} experts")
+
+
+def _moe_names(bridge: Any, name: str, consider_ep: bool) -> str:
+    """A global Megatron name as mbridge's maps know it: a SequentialMLP expert's
+    `...mlp.experts.local_experts.{i}.linear_fcN.weight` -> TE's `...mlp.experts.linear_fcN.weight{e}`, with `e` the
+    global expert id under expert parallelism when `consider_ep` (mbridge's own convention: its export
+    renumbers local ids itself, so it asks without)."""
+    match = _LOCAL_EXPERT.match(name)
+    if match is None:
+        return name
+    prefix, local, linear = match.groups()
+    expert = int(local)
+    if consider_ep and bridge.mpu.ep_size > 1:
+        expert += bridge.config.num_moe_experts // bridge.mpu.ep_size * bridge.mpu.ep_rank
+    return f"{prefix}.{linear}.weight{expert}"
 
 
 def _check_graph_rng(options: dict[str, Any]) -> None:

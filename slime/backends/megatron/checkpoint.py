@@ -418,6 +418,7 @@ def parallel_layout(models: list[torch.nn.Module], optimizer: Any = None) -> dic
     return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
             "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
             "use_distributed_optimizer": optimizer is not None and is_distributed_optimizer(optimizer)}
 
 

@@ -1,8 +1,9 @@
 """Run megatron-core (and mbridge) on a machine without CUDA: the tiny-model path of tests and CI.
 
 megatron-core 0.16 assumes CUDA in a handful of places: `torch.cuda.current_device()` and
-`synchronize()`, the CUDA RNG tracker, hard-coded `device="cuda"` in factory calls and `.cuda()`, and
-`Tensor.type()` checks for `torch.cuda.FloatTensor`. `activate()` redirects each of these to the CPU,
+`synchronize()`, the CUDA RNG tracker, hard-coded `device="cuda"` in factory calls and `.cuda()`,
+`Tensor.type()` checks for `torch.cuda.FloatTensor`, and the MoE token dispatcher's side stream (its
+device-to-host copies of the split sizes). `activate()` redirects each of these to the CPU,
 process-wide. It is called only when CUDA is unavailable and never on a GPU machine (it refuses to);
 nothing else in the project imports it. See ../shared/research/megatron.md for how each patch was
 found. Numerics are unchanged: the model runs the same torch ops on CPU tensors.
@@ -10,6 +11,7 @@ found. Numerics are unchanged: the model runs the same torch ops on CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -42,6 +44,54 @@ def _redirect_device_kwarg(fn: Any) -> Any:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+class _HostStream:
+    """A CUDA stream stand-in: on the CPU every op runs in order on the calling thread, so waiting for
+    another stream or an event has nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostEvent:
+    """A CUDA event stand-in (see `_HostStream`): always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _as_host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `moe_utils.maybe_move_tensor_to_cpu` as it behaves on a GPU: the split sizes it is given
+    come back as host values (numpy when asked), which `all_to_all_single` takes as its split lists; the
+    original returns CPU tensors unchanged, so the splits would stay tensors."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def activate() -> None:
@@ -96,6 +146,17 @@ def activate() -> None:
         return original_type(self, dtype, *args, **kwargs)
 
     torch.Tensor.type = tensor_type
+
+    # 5. the MoE alltoall dispatcher copies its split sizes to the host on a side stream (and the shared
+    #    experts may overlap on one): streams and events that are always complete, and splits as numpy
+    torch.cuda.Stream = lambda *a, **k: _HostStream()
+    torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.Event = _HostEvent
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    moe_utils.maybe_move_tensor_to_cpu = _as_host_splits
+    token_dispatcher.maybe_move_tensor_to_cpu = _as_host_splits
     _active = True
     logger.info("megatron CPU compatibility layer active (no CUDA on this machine)")
 

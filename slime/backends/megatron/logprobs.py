@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from slime.backends.megatron import score_kernels
-from slime.backends.megatron.batching import micro_batches
+from slime.backends.megatron.batching import check_expert_parallel_counts, micro_batches
 from slime.backends.megatron.forward import forward_only, is_last_stage, pipeline_size, share_from_last_stage
 from slime.errors import ConfigError
 from slime.types import Sample
@@ -370,6 +370,7 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                           use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
                           workload=workload)
     device = next(models[0].parameters()).device
+    check_expert_parallel_counts(len(parts), device)
 
     padded: dict[int, PaddedBatch] = {}  # id(indices) -> its batch, from `run` to `collect`
 

@@ -111,6 +111,11 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec) -> int:
     layers adapted."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    if getattr(getattr(model, "config", None), "num_moe_experts", None):
+        raise ConfigError("LoRA on a mixture-of-experts model is not supported yet: adapters on the experts would "
+                          "be one per expert, split over expert-parallel ranks, and the merged-weight export and the "
+                          "adapter-only sync here cover models whose weights are all on one pipeline stage without "
+                          "expert parallelism (dense models); train the MoE model in full")
     for param in model.parameters():
         param.requires_grad_(False)
     count = 0

@@ -56,7 +56,7 @@ from slime.algorithms.policy_loss import (
 )
 from slime.algorithms.reduce import sample_mean, token_mean
 from slime.backends.megatron import cuda_graphs
-from slime.backends.megatron.batching import micro_batches
+from slime.backends.megatron.batching import check_expert_parallel_counts, micro_batches
 from slime.backends.megatron.critic import values_from_output
 from slime.backends.megatron.forward import broadcast_from_last_stage, prepare_schedule
 from slime.backends.megatron.logprobs import forward_logits, score_logits
@@ -400,6 +400,7 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=settings.micro_batch_size,
                           use_dynamic_batch_size=settings.use_dynamic_batch_size,
                           max_tokens_per_gpu=settings.max_tokens_per_gpu, workload=settings.workload)
+    check_expert_parallel_counts(len(parts), device)
     micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
                                pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
     graphs = cuda_graphs.enabled(models)

@@ -7,6 +7,8 @@
                                                                               frozen base: adapters-only saves
     ... --fused-adam                                                          torch's fused AdamW kernel (the
                                                                               default only on CUDA)
+    ... --expert-parallel N                                                   an MoE model's experts split over
+                                                                              N ranks
     resume ... --no-load-optim / --no-load-rng                                Megatron's partial loads: fresh
                                                                               optimizer and schedule / RNG
 
@@ -63,9 +65,10 @@ def digest(tensors) -> str:
 
 
 def optimizer_digest(optimizer) -> str:
-    inner = optimizer.optimizer
-    return digest(inner.state[p][k].reshape(-1) for g in inner.param_groups for p in g["params"]
-                  for k in sorted(inner.state[p]))
+    # expert parallelism chains a second optimizer for the experts (their own data-parallel group)
+    inners = [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return digest(inner.state[p][k].reshape(-1) for inner in inners for g in inner.param_groups
+                  for p in g["params"] for k in sorted(inner.state[p]))
 
 
 def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None:
@@ -74,15 +77,16 @@ def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None
         draws.append(torch.rand(1, device="cuda").item())
     print(json.dumps({"rank": rank, "step": step, "where": where, "weights": digest(models[0].parameters()),
                       "optimizer": optimizer_digest(optimizer), "lr": optimizer.param_groups[0]["lr"],
-                      "fused": bool(optimizer.optimizer.param_groups[0].get("fused")), "draws": draws, **extra}),
+                      "fused": bool(optimizer.param_groups[0].get("fused")), "draws": draws, **extra}),
           flush=True)
 
 
-def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False, fused_adam: bool = False):
+def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False, fused_adam: bool = False,
+          expert_parallel: int = 1):
     rank, world, init_method = rank_env()
     if torch.cuda.is_available():  # bit-exactness on a GPU also needs deterministic kernels
         torch.use_deterministic_algorithms(True)
-    init_megatron(seed=7, rank=rank, world_size=world, init_method=init_method)
+    init_megatron(seed=7, rank=rank, world_size=world, init_method=init_method, expert_parallel=expert_parallel)
     config = load_config(None, ["--lr", str(lr), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
                                 *(["--use-distributed-optimizer"] if distributed else []),
@@ -117,9 +121,11 @@ def main() -> None:
     parser.add_argument("--fused-adam", action="store_true")
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--no-load-rng", action="store_true")
+    parser.add_argument("--expert-parallel", type=int, default=1)
     args = parser.parse_args()
     rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora,
-                                                              fused_adam=args.fused_adam)
+                                                              fused_adam=args.fused_adam,
+                                                              expert_parallel=args.expert_parallel)
     full = f"{args.save}/full"
     if args.mode == "run":
         for k in range(1, STEPS + 1):

@@ -11,6 +11,7 @@ import torch
 from script_rows import run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
+from slime.data.random_models import qwen3_moe_config
 from slime.data.tiny import build_tokenizer
 
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
@@ -22,6 +23,10 @@ FAMILIES = {
     "qwen2-untied-odd-vocab": Qwen2Config(vocab_size=300, tie_word_embeddings=False, **SHAPE),
     "llama": LlamaConfig(vocab_size=300, tie_word_embeddings=False, **SHAPE),
     "qwen3": Qwen3Config(vocab_size=300, tie_word_embeddings=True, head_dim=16, **SHAPE),
+    # 8 experts top-2 on every layer, experts one tensor each on disk; with and without renormalised top-k
+    # weights (Megatron's moe_router_pre_softmax False / True), which only the logits tell apart
+    "qwen3-moe": qwen3_moe_config("tiny", max_position_embeddings=128),
+    "qwen3-moe-no-renorm": qwen3_moe_config("tiny", max_position_embeddings=128, norm_topk_prob=False),
 }
 
 
