@@ -100,3 +100,8 @@ class CheckpointMismatchError(CheckpointError):
 
 class ModelOnlyCheckpointError(CheckpointError):
     """A full training-state resume was asked of a checkpoint that holds the model only."""
+
+
+class MegatronLMCheckpointError(CheckpointError):
+    """A Megatron-LM / slime checkpoint (`latest_checkpointed_iteration.txt` + `iter_NNNNNNN/`) cannot be read
+    here: its tracker names a missing iteration, or it is in the legacy `torch` format (`mp_rank_*/*.pt`)."""

@@ -34,3 +34,7 @@ class ExportConfig(_Section):
                                                         "recorded in the checkpoint")
     merge: bool = Field(True, description="a LoRA checkpoint: write merged HF weights (base + scale * B @ A); false: "
                                           "a PEFT adapter directory (peft.PeftModel.from_pretrained(base, dir))")
+    megatron_lm_layout: bool = Field(False, description="write Megatron-LM's / slime's torch_dist layout instead of HF "
+                                                        "(latest_checkpointed_iteration.txt + iter_NNNNNNN/) to "
+                                                        "output_dir: the weights; from a one-rank full checkpoint "
+                                                        "also optimizer, LR schedule, RNG and slime's data cursor")

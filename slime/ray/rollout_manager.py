@@ -347,6 +347,12 @@ class RolloutManager:
         """Restore a state from `data_source_state` (checked against this dataset and settings)."""
         self.data_source.load_state_dict(state)
 
+    def load_slime_cursor(self, cursor: dict[str, int]) -> None:
+        """slime's data-source cursor (its `rollout/global_dataset_state_dict_N.pt`, read with a --load of a slime
+        checkpoint: megatron_lm.py) over this data source's own settings; slime saves no buffer, so it is empty."""
+        state = {**self.data_source.state_dict(), **cursor, "buffer": []}
+        self.data_source.load_state_dict(state, where="slime's data-source cursor")
+
     # ------------------------------------------------------------------------- memory, shutdown
 
     def check_weights(self, action: str) -> dict[str, Any]:

@@ -55,13 +55,16 @@ class CheckpointIO:
             reference_checkpoint,
             resolve_checkpoint,
         )
+        from slime.backends.megatron.megatron_lm import is_megatron_lm_checkpoint
 
         ck = self.config.checkpoint
         resume = latest_checkpoint(ck.save) if ck.save else None
         partial = {}  # Megatron's --no-load-optim / --no-load-rng: for the start from `load`, never an own resume
         if resume is None and ck.load:
             path = resolve_checkpoint(ck.load)
-            meta = read_checkpoint_manifest(path).metadata
+            # a Megatron-LM / slime checkpoint continues its training, as its own --load would (megatron_lm.py)
+            meta = {"stage": STAGE, "training_state": True} if is_megatron_lm_checkpoint(path) else \
+                read_checkpoint_manifest(path).metadata
             if meta.get("stage") == STAGE and meta.get("training_state") and not ck.finetune:
                 resume = path
                 partial = {"load_optim": not ck.no_load_optim, "load_rng": not ck.no_load_rng}
@@ -74,7 +77,7 @@ class CheckpointIO:
                             ", --finetune" if ck.finetune else "")
                 return 0
         if resume is not None:
-            stage = read_checkpoint_manifest(resume).metadata.get("stage")
+            stage = STAGE if is_megatron_lm_checkpoint(resume) else read_checkpoint_manifest(resume).metadata.get("stage")
             if stage != STAGE:
                 raise ConfigError(f"{resume} is a checkpoint of stage {stage!r}, not an RL checkpoint: give RL its "
                                   "own --save directory and pass the other checkpoint as --load or --ref-load")

@@ -188,6 +188,8 @@ class RLLoop:
             extra = self.train_group.extra_state() if self.train_group is not None else {}
             if "data_source" in extra and self.manager is not None:
                 ray.get(self.manager.load_data_source_state.remote(extra["data_source"]))
+            elif "slime_data_source" in extra and self.manager is not None:  # --load of a slime checkpoint
+                ray.get(self.manager.load_slime_cursor.remote(extra["slime_data_source"]))
             else:
                 logger.warning("resumed at rollout %d from a checkpoint without a data-source state: the prompts "
                                "start from the beginning of the data", self.start_rollout_id)

@@ -105,6 +105,9 @@ def summarize(stage: str, result: dict[str, Any], options: dict[str, Any] | None
         metrics = {"start_rollout_id": result["start_rollout_id"], "num_rollout": result["num_rollout"],
                    "resumed": result["resumed"], "iterations_run": result["num_rollout"] - result["start_rollout_id"],
                    "reward_mean_last": steps[-1].get("rl/reward_mean"), "metrics_uri": result["metrics_uri"]}
+    elif stage == "export" and "megatron_lm_dir" in result:  # --megatron-lm-layout
+        artifacts = {"megatron_lm_checkpoint": artifact(result["megatron_lm_dir"], result["manifest_hash"])}
+        metrics = {"source_checkpoint": result["source_checkpoint"], "iteration": result["iteration"]}
     elif stage == "export":
         artifacts = {"hf_model": artifact(result["hf_dir"], result["manifest_hash"])}
         metrics = {"source_checkpoint": result["source_checkpoint"]}

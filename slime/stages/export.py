@@ -17,6 +17,7 @@ Megatron checkpoint as base is named as such, with a warning in the manifest and
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -44,8 +45,8 @@ def run_export(config: Config) -> dict[str, Any]:
     config.require("checkpoint.load", "export.output_dir", stage="export")
     with staged(config) as (local, staging):  # remote --load / --output-dir: local copies, the export uploaded after
         result = _export(local, staging.to_remote)
-    return {**result, "hf_dir": staging.to_remote(result["hf_dir"]),
-            "source_checkpoint": staging.to_remote(result["source_checkpoint"])}
+    return {**result, **{key: staging.to_remote(result[key]) for key in ("hf_dir", "megatron_lm_dir",
+                                                                         "source_checkpoint") if key in result}}
 
 
 def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any]:
@@ -53,23 +54,35 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint, resolve_checkpoint
     from slime.backends.megatron.hf_export import save_hf_weights
+    from slime.backends.megatron.megatron_lm import (
+        TRACKER,
+        is_megatron_lm_checkpoint,
+        read_megatron_lm_checkpoint,
+    )
     from slime.stages.convert import vocab_padding
     from slime.storage import commit_directory, is_committed, manifest_hash, read_manifest
 
     path = resolve_checkpoint(config.checkpoint.load)
-    meta = read_manifest(path).metadata
+    if is_megatron_lm_checkpoint(path):  # a Megatron-LM / slime checkpoint: what its args say (no manifest)
+        ckpt = read_megatron_lm_checkpoint(path)
+        meta = {"dtype": "bfloat16" if ckpt.arg("bf16") else "float32", "iteration": ckpt.iteration,
+                "padded_vocab_size": ckpt.arg("padded_vocab_size")}
+    else:
+        meta = read_manifest(path).metadata
     origin = config.export.origin_hf_dir or meta.get("origin_hf_dir")
     if not origin or not os.path.isfile(os.path.join(origin, "config.json")):
         raise ConfigError(f"export needs the origin HF directory (config and tokenizer): {origin!r} has no "
                           "config.json; pass --origin-hf-dir")
     out = config.export.output_dir
-    if is_committed(out):
+    if is_committed(out) or os.path.isfile(os.path.join(out, TRACKER)):
         raise ConfigError(f"{out} already holds a committed export; choose another --output-dir")
     dtype = torch.bfloat16 if meta.get("dtype") == "bfloat16" else torch.float32
     init_megatron(seed=config.run.seed, megatron=config.megatron)
     # the checkpoint's own vocabulary rows (Megatron's padded size, recorded at save) decide the model's shape
     bridge = make_bridge(origin, dtype, meta.get("padded_vocab_size") or vocab_padding(config, origin),
                          config.megatron)
+    if config.export.megatron_lm_layout:
+        return _export_megatron_lm(config, bridge, path, meta, out, remote)
     saved_lora = meta.get("lora")
     if saved_lora:
         return _export_lora(config, bridge, path, {**saved_lora, "iteration": meta.get("iteration")}, origin, out,
@@ -83,6 +96,51 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     commit_directory(out, "hf_model", metadata={"source_checkpoint": remote(path), "iteration": meta.get("iteration"),
                                                 "weights": files, "origin_hf_dir": origin})
     return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
+
+
+def _export_megatron_lm(config: Config, bridge: Any, path: str, meta: dict[str, Any], out: str,
+                        remote: Callable[[str], str]) -> dict[str, Any]:
+    """`--megatron-lm-layout`: the checkpoint in Megatron-LM's / slime's torch_dist layout (megatron_lm.py), for their
+    `--load`. This process is one rank, so the per-rank state (optimizer shards, RNG) goes along only from a
+    checkpoint saved by one rank; from any other the weights alone (marked --no-save-optim / --no-save-rng).
+    The root is committed with a manifest too (ignored by Megatron-LM; here it records the export)."""
+    from slime.backends.megatron.bridge import build_model
+    from slime.backends.megatron.checkpoint import TRAINING_STATE, load_checkpoint, load_model_checkpoint
+    from slime.backends.megatron.megatron_lm import SLIME_CURSOR, save_megatron_lm_checkpoint
+    from slime.backends.megatron.optimizer import build_config_optimizer
+    from slime.storage import commit_directory, manifest_hash
+
+    parallel = meta.get("parallel") or {}
+    one_rank = all(parallel.get(k) == 1 for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                  "data_parallel_size"))
+    iteration = int(meta.get("iteration") or 0)
+    if meta.get("training_state") and one_rank and not meta.get("lora"):
+        distributed = bool(parallel.get("use_distributed_optimizer"))
+        models = build_model(bridge, wrap_with_ddp=True, use_distributed_optimizer=distributed)
+        optimizer = build_config_optimizer(models, config, distributed)
+        state = load_checkpoint(models, path, optimizer)  # weights, Adam state, this rank's RNG; the schedule below
+        with open(os.path.join(path, TRAINING_STATE)) as f:
+            schedule = json.load(f).get("scheduler")
+        written = save_megatron_lm_checkpoint(
+            models, out, iteration, optimizer=optimizer if schedule else None, scheduler_state=schedule,
+            samples_per_step=config.train.global_batch_size,
+            fully_reshardable=meta.get("optimizer_sharding") == "fully_reshardable", with_rng=bool(schedule))
+        cursor = state.extra_state.get("data_source")
+        if cursor:  # slime's own file (a torch.save of plain ints, as its data source writes and reads it)
+            os.makedirs(os.path.join(out, "rollout"), exist_ok=True)
+            torch.save({k: cursor[k] for k in ("sample_offset", "epoch_id", "sample_group_index", "sample_index")}
+                       | {"metadata": {}}, os.path.join(out, SLIME_CURSOR.format(iteration=iteration)))
+    else:
+        logger.warning("%s: %s; the Megatron-LM checkpoint holds the weights only", path,
+                       "a model-only checkpoint" if not meta.get("training_state") else
+                       f"per-rank state of {parallel} does not fit this one-rank export")
+        models = build_model(bridge)
+        load_model_checkpoint(models, path)
+        written = save_megatron_lm_checkpoint(models, out, iteration, with_rng=False)
+    commit_directory(out, "megatron_lm_checkpoint", metadata={"source_checkpoint": remote(path), "iteration": iteration,
+                                                             "checkpoint": os.path.relpath(written, out)})
+    return {"megatron_lm_dir": out, "manifest_hash": manifest_hash(out), "iteration": iteration,
+            "source_checkpoint": path}
 
 
 def _export_lora(config: Config, bridge: Any, path: str, saved: dict[str, Any], origin: str, out: str,

@@ -25,6 +25,9 @@ match the model loaded into (always), and for a full training-state resume also 
 `load_model_checkpoint` loads weights only (conversion output, `--ref-load`, export);
 `load_checkpoint` restores the whole training state for a bit-exact resume, or all of it but the optimizer
 and schedule (Megatron's --no-load-optim) or the RNG (--no-load-rng).
+
+A Megatron-LM / slime checkpoint (`latest_checkpointed_iteration.txt` + `iter_NNNNNNN/`, one torch_dist directory
+without manifest) is resolved and loaded by the same three calls, through megatron_lm.py.
 """
 
 from __future__ import annotations
@@ -106,7 +109,13 @@ def latest_checkpoint(save: str) -> str | None:
 
 
 def resolve_checkpoint(load: str) -> str:
-    """`load` itself when it is a committed checkpoint, else the newest committed one under it."""
+    """`load` itself when it is a committed checkpoint, else the newest committed one under it; for a Megatron-LM /
+    slime checkpoint (root or iteration directory) the iteration directory its tracker file names."""
+    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
+
+    foreign = megatron_lm.megatron_lm_iteration_dir(load)  # first: an export's root also has a manifest
+    if foreign is not None:
+        return foreign
     if is_committed(load):
         return load
     latest = latest_checkpoint(load)
@@ -326,9 +335,15 @@ def read_training_state(path: str) -> TrainingState:
                          manifest=manifest)
 
 
-def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest:
+def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest | None:
     """Load a committed checkpoint's model weights into `models` (same architecture and dtype; any
-    parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export."""
+    parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export. A Megatron-LM
+    checkpoint's iteration directory loads the same way (megatron_lm.py); it has no manifest: None."""
+    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
+
+    if megatron_lm.is_megatron_lm_checkpoint(path):
+        megatron_lm.load_megatron_lm_model(models, path)
+        return None
     manifest = read_checkpoint_manifest(path)
     signature = model_signature(models)
     if not manifest.metadata.get("lora"):  # a full model's weights are a LoRA model's base
@@ -346,9 +361,17 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
     Megatron's --no-load-optim (`load_optim=False`): the optimizer and scheduler stay as built (fresh; the
     optimizer's main params are refreshed from the loaded weights), as Megatron-LM loads the scheduler only
     with the optimizer. --no-load-rng (`load_rng=False`): the generators keep their current state. The
-    schedule check applies only when the scheduler is loaded, the layout check when per-rank state is."""
+    schedule check applies only when the scheduler is loaded, the layout check when per-rank state is.
+
+    A Megatron-LM / slime checkpoint (megatron_lm.py) restores what carries over from it: the weights always, the
+    optimizer and schedule where the layouts agree, the RNG where TP and PP do, slime's data cursor when present."""
     from megatron.core import dist_checkpointing
 
+    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
+
+    if megatron_lm.is_megatron_lm_checkpoint(path):
+        return megatron_lm.load_megatron_lm_checkpoint(models, path, optimizer, scheduler, load_optim=load_optim,
+                                                       load_rng=load_rng)
     manifest = read_checkpoint_manifest(path)
     meta = manifest.metadata
     if not meta.get("training_state"):

@@ -29,11 +29,14 @@ logger = logging.getLogger(__name__)
 def lora_checkpoint(path: str | None) -> str | None:
     """The committed checkpoint `path` names when it holds LoRA adapters, else None."""
     from slime.backends.megatron.checkpoint import resolve_checkpoint
+    from slime.backends.megatron.megatron_lm import is_megatron_lm_checkpoint
     from slime.storage import is_committed, read_manifest
 
     if not path or (not is_committed(path) and is_hf_dir(path)):
         return None
     resolved = resolve_checkpoint(path)
+    if is_megatron_lm_checkpoint(resolved):  # a Megatron-LM / slime checkpoint holds full weights: a base
+        return None
     return resolved if read_manifest(resolved).metadata.get("lora") else None
 
 

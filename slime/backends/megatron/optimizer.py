@@ -232,13 +232,18 @@ def build_optimizer_and_scheduler(models: list[torch.nn.Module], config: Config,
                                   total_steps: int | None = None) -> tuple[Any, Any]:
     """The optimizer and LR schedule that `config.train` describes, for DDP-wrapped `models`
     (built with `use_distributed_optimizer=config.train.use_distributed_optimizer`)."""
+    optimizer = build_config_optimizer(models, config, config.train.use_distributed_optimizer)
+    return optimizer, build_scheduler(optimizer, config.train, total_steps)
+
+
+def build_config_optimizer(models: list[torch.nn.Module], config: Config, use_distributed_optimizer: bool) -> Any:
+    """The optimizer `config.train` describes, without a schedule (export rebuilds one to hold a checkpoint's state)."""
     t = config.train
-    optimizer = build_optimizer(models, lr=t.lr, clip_grad=t.clip_grad, weight_decay=t.weight_decay,
-                                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                                bf16=bool(config.megatron.get("bf16")), optimizer=t.optimizer,
-                                use_distributed_optimizer=t.use_distributed_optimizer, min_lr=t.min_lr,
-                                fused_adam=t.fused_adam)
-    return optimizer, build_scheduler(optimizer, t, total_steps)
+    return build_optimizer(models, lr=t.lr, clip_grad=t.clip_grad, weight_decay=t.weight_decay,
+                           adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                           bf16=bool(config.megatron.get("bf16")), optimizer=t.optimizer,
+                           use_distributed_optimizer=use_distributed_optimizer, min_lr=t.min_lr,
+                           fused_adam=t.fused_adam)
 
 
 # Scheduler fields and the config fields they come from, to name what differs on resume.

@@ -41,8 +41,6 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Set every generator to `state` (from `capture_rng_state` of the same rank)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     if state.get("format") != RNG_FORMAT:
         raise ValueError(f"RNG state format {state.get('format')!r} is not {RNG_FORMAT}")
     py = state["python"]
@@ -56,19 +54,26 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             raise ValueError(f"RNG state has {len(state['cuda'])} CUDA generators, this process sees "
                              f"{torch.cuda.device_count()} devices")
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
-    tracker_states = {name: _decode(s) for name, s in state["megatron_tracker"].items()}
+    set_tracker_states({name: _decode(s) for name, s in state["megatron_tracker"].items()})
+
+
+def set_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    """Set megatron's CUDA RNG tracker streams to `states` (name -> generator state bytes); also the form
+    Megatron-LM checkpoints hold (`rng_state[...]["rng_tracker_states"]`, megatron_lm.py)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     tracker = get_cuda_rng_tracker()
     if getattr(tracker, "use_cudagraphable_rng", False):
         # the graph-safe tracker (CUDA graphs) holds generators that captured graphs registered: set their
         # state in place, never swap them for tensors
         generators = tracker.get_states()
-        missing = sorted(set(tracker_states) - set(generators))
+        missing = sorted(set(states) - set(generators))
         if missing:
             raise ValueError(f"RNG state names tracker streams {missing} this process's tracker does not have")
-        for name, value in tracker_states.items():
+        for name, value in states.items():
             generators[name].set_state(value)
     else:
-        tracker.set_states(tracker_states)
+        tracker.set_states(states)
 
 
 def _encode(tensor: torch.Tensor) -> str:
