@@ -57,9 +57,9 @@ from profiling import print_profile
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from slime.data.random_models import QWEN2_SHAPES, save_random_qwen2
+from slime.engines.builtin.batch import left_padded, transformers_forward
 from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.sampling import sample
-from slime.engines.builtin.batch import left_padded, transformers_forward
 from slime.engines.builtin.slots import SlotDecoder
 
 
