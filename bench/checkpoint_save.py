@@ -52,21 +52,21 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--seq", type=int, default=256, help="train step sequence length (the steps around saves)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="writer processes per rank and directory (default: checkpoint.save_threads())")
+                        help="writer processes per rank and directory (default: dist_checkpoint.save_threads())")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="run each mode's first save under cProfile: print its ROWS costliest functions")
     args = parser.parse_args()
 
     from transformers import AutoConfig, Qwen2Config
 
-    from slime.backends.megatron import checkpoint
+    from slime.backends.megatron import dist_checkpoint
     from slime.backends.megatron.async_save import AsyncSaver
     from slime.backends.megatron.checkpoint import iteration_dir, save_checkpoint
     from slime.data.random_models import QWEN2_SHAPES
     from slime.storage.manifest import is_committed, read_manifest
 
     if args.threads:
-        checkpoint.save_threads = lambda: args.threads
+        dist_checkpoint.save_threads = lambda: args.threads
     if not torch.cuda.is_available():
         from slime.backends.megatron import cpu_compat
 
@@ -82,7 +82,7 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     params = sum(p.numel() for p in models[0].parameters())
-    common = {"model": args.model, "params": params, "device": _device(), "save_threads": checkpoint.save_threads(),
+    common = {"model": args.model, "params": params, "device": _device(), "save_threads": dist_checkpoint.save_threads(),
               "host_copy_s": _median(lambda: host_copy(models, optimizer), 3),
               "pinned_copy_s": pinned_copy(models, optimizer), "dd_gbps": dd_gbps(args.dir)}
     step_s = _median(step, 3)

@@ -61,8 +61,7 @@ def source_commit() -> str:
     raise ValueError(f"{TABLE}: header names no commit")
 
 
-_NO_MOE = ("MoE routing replay is not built here yet: MoE models train and the built-in engine returns the experts "
-           "it routed to (return_routed_experts), but the trainer does not replay them")
+_NO_MOE = "MoE routing replay is not built yet: the built-in engine returns routed experts; the trainer does not replay them"
 
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {

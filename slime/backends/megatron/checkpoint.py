@@ -37,17 +37,21 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from slime.backends.megatron import lora
+from slime.backends.megatron import lora, megatron_lm
 from slime.backends.megatron.async_save import AsyncSaver
 from slime.backends.megatron.bridge import ARCHITECTURE_FIELDS
+from slime.backends.megatron.dist_checkpoint import (
+    TrainingState,
+    check_scheduler,
+    save_strategy,
+    single_chunk,
+)
 from slime.backends.megatron.optimizer import (
-    SCHEDULER_FIELDS,
     init_optimizer_state,
     is_distributed_optimizer,
     untie_adam_steps,
@@ -80,15 +84,6 @@ TRAINING_STATE = "training_state.json"
 _ITER = re.compile(r"^iter_(\d{7})$")
 
 
-@dataclass
-class TrainingState:
-    """What `load_checkpoint` restored besides tensors: the iteration and the caller's `extra_state`."""
-
-    iteration: int
-    extra_state: dict[str, Any] = field(default_factory=dict)
-    manifest: Manifest | None = None
-
-
 def iteration_dir(save: str, iteration: int) -> str:
     return os.path.join(save, f"iter_{iteration:07d}")
 
@@ -111,7 +106,6 @@ def latest_checkpoint(save: str) -> str | None:
 def resolve_checkpoint(load: str) -> str:
     """`load` itself when it is a committed checkpoint, else the newest committed one under it; for a Megatron-LM /
     slime checkpoint (root or iteration directory) the iteration directory its tracker file names."""
-    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
 
     foreign = megatron_lm.megatron_lm_iteration_dir(load)  # first: an export's root also has a manifest
     if foreign is not None:
@@ -186,7 +180,7 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
         shutil.rmtree(path)  # leftovers of a save that never committed
     _barrier()
     os.makedirs(path, exist_ok=True)
-    model = _single_chunk(models)
+    model = single_chunk(models)
     adapters = lora.lora_metadata(model)
     if adapters is not None and adapters["base"] is None:
         raise ConfigError("a LoRA checkpoint records the base its adapters belong to: call lora.set_base after "
@@ -249,26 +243,6 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
         commit_local()
     _barrier()
     return read_manifest(path)
-
-
-def save_strategy() -> Any:
-    """megatron-core's torch_dist writer with `save_threads()` files per rank, each written by its own
-    process; with data parallelism, wrapped to spread the replicated tensors' writes over the DP ranks
-    (Megatron's --ckpt-fully-parallel-save, its default) instead of DP rank 0 writing them all."""
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=save_threads())
-    if parallel_state.model_parallel_is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
-        return FullyParallelSaveStrategyWrapper(strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return strategy
-
-
-def save_threads() -> int:
-    """Writer processes per rank and torch_dist directory: half this node's cores, 2 to 8 (megatron's default,
-    2, leaves a fast local disk idle: docs/benchmarks.md "Checkpoint saves")."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def prune_checkpoints(save: str, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -339,7 +313,6 @@ def load_model_checkpoint(models: list[torch.nn.Module], path: str) -> Manifest 
     """Load a committed checkpoint's model weights into `models` (same architecture and dtype; any
     parallel layout, torch_dist reshards). For conversion output, `--ref-load` and export. A Megatron-LM
     checkpoint's iteration directory loads the same way (megatron_lm.py); it has no manifest: None."""
-    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
 
     if megatron_lm.is_megatron_lm_checkpoint(path):
         megatron_lm.load_megatron_lm_model(models, path)
@@ -367,7 +340,6 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
     optimizer and schedule where the layouts agree, the RNG where TP and PP do, slime's data cursor when present."""
     from megatron.core import dist_checkpointing
 
-    from slime.backends.megatron import megatron_lm  # cyclic: it builds on this module
 
     if megatron_lm.is_megatron_lm_checkpoint(path):
         return megatron_lm.load_megatron_lm_checkpoint(models, path, optimizer, scheduler, load_optim=load_optim,
@@ -385,7 +357,7 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
     with open(os.path.join(path, TRAINING_STATE)) as f:
         training = json.load(f)
     if scheduler is not None and load_optim:
-        _check_scheduler(training.get("scheduler"), scheduler.state_dict(), path)
+        check_scheduler(training.get("scheduler"), scheduler.state_dict(), path)
     rng = None
     if load_rng:
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -394,7 +366,7 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
 
     _load_model(models, path)
     if load_optim:
-        model = _single_chunk(models)
+        model = single_chunk(models)
         init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
         state = optimizer.sharded_state_dict(_model_state(model), is_loading=True,
                                              metadata=_sharding_metadata(meta.get("optimizer_sharding")))
@@ -424,7 +396,7 @@ def model_signature(models: list[torch.nn.Module]) -> dict[str, Any]:
     from megatron.core.utils import get_model_config
 
     config = get_model_config(models[0])
-    model = _single_chunk(models)
+    model = single_chunk(models)
     signature = {name: getattr(config, name, None) for name in ARCHITECTURE_FIELDS}
     signature["padded_vocab_size"] = getattr(model, "vocab_size", None)
     signature["share_embeddings_and_output_weights"] = getattr(model, "share_embeddings_and_output_weights", None)
@@ -455,15 +427,6 @@ def _check(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> 
                                           "model loading it; build the model with the checkpoint's configuration")
 
 
-def _check_scheduler(saved: dict[str, Any] | None, current: dict[str, Any], path: str) -> None:
-    if saved is None:
-        raise CheckpointMismatchError(f"{path} was saved without an LR scheduler; resume it without one")
-    for name, source in SCHEDULER_FIELDS.items():
-        if saved.get(name) != current.get(name):
-            raise CheckpointMismatchError(f"{path}: LR schedule {name} is {saved.get(name)!r} in the checkpoint but "
-                                          f"{current.get(name)!r} now (from {source}); resume with the same schedule")
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -478,7 +441,7 @@ def _load_model(models: list[torch.nn.Module], path: str) -> None:
     they are), or a LoRA checkpoint's adapters (onto the same base, checked by hash)."""
     from megatron.core import dist_checkpointing
 
-    model = _single_chunk(models)
+    model = single_chunk(models)
     saved_lora = read_manifest(path).metadata.get("lora")
     if saved_lora:
         lora.check_base(model, saved_lora.get("base"), path)
@@ -506,16 +469,6 @@ def _sharding_type(optimizer: Any, fully_reshardable: bool) -> str | None:
 def _sharding_metadata(sharding: str | None) -> dict[str, Any] | None:
     # megatron's default for the DistributedOptimizer, 'fully_sharded_model_space', fails in 0.16.1
     return {"distrib_optim_sharding_type": sharding} if sharding else None
-
-
-def _single_chunk(models: list[torch.nn.Module]) -> torch.nn.Module:
-    """The model inside DDP / Float16 wrappers: checkpoints use its key space, so a checkpoint saved
-    from a training (wrapped) model loads into a bare one and back."""
-    from megatron.core.utils import unwrap_model
-
-    if len(models) != 1:
-        raise ConfigError(f"checkpoints support one model chunk (no virtual pipeline stages); got {len(models)}")
-    return unwrap_model(models[0])
 
 
 def _mkdir(path: str, name: str) -> str:

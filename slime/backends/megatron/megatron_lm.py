@@ -55,7 +55,12 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron import lora
-from slime.backends.megatron.checkpoint import TrainingState, _check_scheduler, _single_chunk, save_strategy
+from slime.backends.megatron.dist_checkpoint import (
+    TrainingState,
+    check_scheduler,
+    save_strategy,
+    single_chunk,
+)
 from slime.backends.megatron.optimizer import init_optimizer_state, is_distributed_optimizer, untie_adam_steps
 from slime.backends.megatron.rng_state import set_tracker_states
 from slime.errors import CheckpointMismatchError, ConfigError, MegatronLMCheckpointError
@@ -332,7 +337,7 @@ def load_megatron_lm_model(models: list[torch.nn.Module], path: str) -> Megatron
         if saved is not None and saved != mine:
             raise CheckpointMismatchError(f"{path}: {arg} is {saved!r} in the checkpoint's args but {mine!r} in the "
                                           "model loading it; build the model with the checkpoint's configuration")
-    model = _single_chunk(models)
+    model = single_chunk(models)
     adapted = lora.has_adapters(model)
     # not the layers' `_extra_state` (Transformer Engine's FP8 metadata in a TE checkpoint; None in the local spec)
     sharded = {k: v for k, v in model.sharded_state_dict().items()
@@ -367,7 +372,7 @@ def load_megatron_lm_checkpoint(models: list[torch.nn.Module], path: str, optimi
             why_not = ("the checkpoint has no LR schedule, or no global_batch_size in its args to convert Megatron's "
                        "sample counts to optimizer steps")
         else:
-            _check_scheduler(saved, scheduler.state_dict(), path)  # a different schedule is the user's: refused
+            check_scheduler(saved, scheduler.state_dict(), path)  # a different schedule is the user's: refused
     if why_not is None:
         _load_optimizer(ckpt, models, optimizer)
         if scheduler is not None:
@@ -432,7 +437,7 @@ def _schedule_in_steps(ckpt: MegatronLMCheckpoint) -> dict[str, Any] | None:
 
 def _load_optimizer(ckpt: MegatronLMCheckpoint, models: list[torch.nn.Module], optimizer: Any) -> None:
     """The checkpoint's optimizer state, with the content metadata it was saved with (key layout and sharding)."""
-    model = _single_chunk(models)
+    model = single_chunk(models)
     init_optimizer_state(optimizer)  # fix 1 (optimizer.py): megatron's load path builds a state dict of the current state
     sharded = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                            metadata=_content_metadata(ckpt.sharding) | ckpt.content_metadata)
@@ -467,7 +472,7 @@ def save_megatron_lm_checkpoint(models: list[torch.nn.Module], root: str, iterat
     without RNG --no-save-rng, so that Megatron-LM's `load_checkpoint` asks for neither."""
     from megatron.core import dist_checkpointing
 
-    model = _single_chunk(models)
+    model = single_chunk(models)
     if lora.has_adapters(model):
         raise ConfigError("a LoRA model has no Megatron-LM layout here: export merged HF weights, or keep this "
                           "project's checkpoint")
@@ -533,7 +538,7 @@ def _args(models: list[torch.nn.Module], iteration: int, optimizer: Any, batch: 
     from megatron.core.utils import get_model_config
 
     config = get_model_config(models[0])
-    model = _single_chunk(models)
+    model = single_chunk(models)
     dtype = config.params_dtype
     return Namespace(
         num_layers=config.num_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size,
