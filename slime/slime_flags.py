@@ -61,8 +61,6 @@ def source_commit() -> str:
     raise ValueError(f"{TABLE}: header names no commit")
 
 
-_NO_MOE = "MoE routing replay is not built yet: the built-in engine returns routed experts; the trainer does not replay them"
-
 # flag (as a field name) -> why this project refuses it: what is missing
 REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "Qwen gated-delta-net (linear attention) layers are not built here",
@@ -71,8 +69,6 @@ REFUSED: dict[str, str] = {
     "freeze_indexer": "DSA indexer layers are not built here",
     "allgather_cp": "context parallelism is not built here",
     "multimodal_keys": "multimodal prompts are not built here (text and chat messages only)",
-    "use_routing_replay": _NO_MOE,
-    "use_rollout_routing_replay": _NO_MOE,
     "load_forge_rollout_data": "replaying dumped .pt rollouts is not built here (rollouts are Arrow shard sets)",
     "use_distributed_post": "distributed HTTP posting through Ray is not built here",
     "megatron_deepgemm_forward_layers": "DeepGEMM block-FP8 forward layers are not built here",

@@ -114,11 +114,11 @@ def test_refused_flag_fails_naming_flag_and_reason(flag):
 
 def test_refused_flag_in_yaml_names_the_reason(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  use_routing_replay: true\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.use_routing_replay'.*MoE routing replay"):
+    path.write_text("rollout:\n  freeze_indexer: true\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown field 'rollout.freeze_indexer'.*DSA indexer layers"):
         load_config(path)
-    path.write_text("megatron:\n  use_routing_replay: true\n")
-    with pytest.raises(ConfigError, match=r"c.yaml:2: megatron.use_routing_replay: slime's --use-routing-replay is "
+    path.write_text("megatron:\n  freeze_indexer: true\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: megatron.freeze_indexer: slime's --freeze-indexer is "
                                           "not supported"):
         load_config(path)
 

@@ -70,6 +70,14 @@ class AlgorithmConfig(_Section):
         None, description="where the teacher's log-probs come from: megatron (a frozen teacher model in the train "
                           "ranks, checkpoint.opd_teacher_load); sglang is refused here (docs/rl.md)")
     opd_kl_coef: float = Field(1.0, description="weight of the OPD reverse-KL penalty on the advantages")
+    use_routing_replay: bool = Field(False, description="MoE (slime's R2, arXiv 2507.18071): the old-log-prob pass "
+                                                        "records the experts each token is routed to, the rollout's "
+                                                        "train steps replay them (slime/backends/megatron/"
+                                                        "routing_replay.py)")
+    use_rollout_routing_replay: bool = Field(
+        False, description="MoE (R3, arXiv 2510.11370): the rollout asks the engines for the experts each token was "
+                           "routed to (Sample.rollout_routed_experts), and the old-log-prob pass and train steps "
+                           "route every token to them; the gating weights stay the trainer's router's")
 
 
 class TrainConfig(_Section):
@@ -326,6 +334,18 @@ def check_given_advantages(config: ConfigTree, fail: Fail) -> None:
         if given:
             fail("algorithm.disable_compute_advantages_and_returns", f"{given[0]} needs the reference/old log-prob "
                  "passes or the advantage computation that this flag turns off")
+
+
+def check_routing_replay(config: ConfigTree, fail: Fail) -> None:
+    """R3 needs engines that return the routed experts: the built-in engine does for a MoE model, SGLang servers
+    when launched with --enable-return-routed-experts, which the launcher adds (slime/engines/launch.py) unless the
+    config turns it off. (A dense model is refused when the trainer builds it: the HF config tells.)"""
+    a = config.algorithm
+    if a.use_rollout_routing_replay and config.engine.engine == "sglang" \
+            and config.sglang_arg("enable_return_routed_experts") is False:
+        fail("algorithm.use_rollout_routing_replay", "replays the experts the SGLang engines return, and "
+             "sglang.enable_return_routed_experts is false: drop it (the launcher turns it on)",
+             "sglang.enable_return_routed_experts")
 
 
 def check_loss_mask_type(config: ConfigTree, fail: Fail) -> None:

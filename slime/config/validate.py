@@ -45,6 +45,7 @@ from slime.config.training import (
     check_opd,
     check_policy_terms,
     check_ref_update_interval,
+    check_routing_replay,
     check_stateless_adam,
 )
 from slime.config.tree import Config, check_custom_config
@@ -90,6 +91,7 @@ def validate(config: Config, where: dict[str, str]) -> None:
     check_memory_recorder(config, fail)
     check_global_dataset(config, fail)
     check_loss_mask_type(config, fail)
+    check_routing_replay(config, fail)
     check_rollout_subsample(config, fail)
     check_grad_norm_files(config, fail)
     check_weight_sync_options(config, fail)

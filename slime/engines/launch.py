@@ -76,7 +76,9 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
     limit = engine_memory_limit(c) if devices else None  # on the CPU there is no GPU to share
     if c.engine.engine == "sglang":
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))} if devices else {}
-        sglang_args = {**lora_engine_args(c), **c.sglang}  # flags the user gives win
+        # R3: SGLang returns the routed experts only when launched with it (slime sets it likewise)
+        routing = {"enable_return_routed_experts": True} if c.algorithm.use_rollout_routing_replay else {}
+        sglang_args = {**lora_engine_args(c), **routing, **c.sglang}  # flags the user gives win
         sglang_args = sglang_args if limit is None else {**sglang_args, "mem_fraction_static": limit}
         engine = SGLangEngine(model_dir, sglang_args=sglang_args, log_path=log_path, env=env, host=host)
         keep(engine)

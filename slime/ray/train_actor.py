@@ -178,7 +178,8 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
         self.profiler = TrainProfiler(c, self.rank)  # memory history from here, as slime's
         hf_dir = c.checkpoint.hf_checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir), c.megatron)
+        self.bridge = make_bridge(hf_dir, megatron_dtype(c), vocab_padding(c, hf_dir), c.megatron,
+                                  routing_replay=c.algorithm.use_routing_replay or c.algorithm.use_rollout_routing_replay)
         self.lora_spec = LoraSpec.from_config(c)
         self.models = build_model(self.bridge, wrap_with_ddp=True,
                                   use_distributed_optimizer=c.train.use_distributed_optimizer,

@@ -71,8 +71,9 @@ class TrainInputs:
         from slime.backends.megatron.whiten import whiten_over_dp
 
         c, a, t = self.config, self.config.algorithm, self.config.train
+        rollout_routing = self._rollout_routing(mine)
         if a.disable_compute_advantages_and_returns:  # slime: the samples carry their advantages
-            return TrainArrays(), {}
+            return TrainArrays(routed_experts=rollout_routing), {}
         batching = dict(vocab_size=self.bridge.hf_config.vocab_size, temperature=c.rollout.rollout_temperature,
                         micro_batch_size=t.micro_batch_size, use_dynamic_batch_size=t.use_dynamic_batch_size,
                         max_tokens_per_gpu=t.log_probs_max_tokens_per_gpu or t.max_tokens_per_gpu,
@@ -88,10 +89,16 @@ class TrainInputs:
             if self.old_weights is not None:  # slime's --keep-old-actor: old log-probs under the rollout's weights
                 current = snapshot(self.models)
                 copy_weights(self.old_weights, self.models)
-            actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching)
+            # R3: the rollout's experts; R2 alone: this pass's experts, recorded for the train steps to replay
+            actor = compute_log_probs(self.models, mine, with_entropy=a.use_rollout_entropy, **batching,
+                                      routed_experts=rollout_routing,
+                                      record_routing=a.use_routing_replay and rollout_routing is None)
             if current is not None:
                 copy_weights(current, self.models)
             old, entropies = actor.log_probs, actor.entropies
+            replayed = rollout_routing if rollout_routing is not None else actor.routed_experts
+        else:  # no old-log-prob pass: R2 has nothing recorded (the step's forward is that pass), R3 still replays
+            replayed = rollout_routing
         ref = None
         if self.ref_models:
             if self.hooks.before_log_prob is not None:
@@ -174,7 +181,16 @@ class TrainInputs:
             stats["rollout/opd_reverse_kl"] = stats["train/opd_reverse_kl"] = sums[8] / max(sums[5], 1.0)
         if c.run.log_correct_samples:
             stats.update(self._correct_sample_stats(mine, old))
-        return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref), stats
+        return TrainArrays(advantages=per_sample, old_log_probs=old, ref_log_probs=ref, routed_experts=replayed), stats
+
+    def _rollout_routing(self, mine: list[Any]) -> list[Any] | None:
+        """R3 (use_rollout_routing_replay): each sample's rollout_routed_experts, checked against the model (a
+        sample without them is a DataFormatError naming it); None otherwise."""
+        if not self.config.algorithm.use_rollout_routing_replay:
+            return None
+        from slime.backends.megatron import routing_replay
+
+        return routing_replay.rollout_records(mine, routing_replay.require_routers(self.models))
 
     def _student_log_probs(self, mine: list[Any], old: list[Any]) -> list[Any]:
         """The student's log-probs OPD compares with the teacher's, as slime's: the engine's rollout log-probs with

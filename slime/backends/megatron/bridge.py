@@ -43,7 +43,8 @@ Qwen3-MoE router always renormalises the top-k weights (`moe_router_pre_softmax=
 HF config's `norm_topk_prob` instead. The load-balancing loss follows the megatron options (`moe_options`).
 megatron-core 0.16.1's router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not None`,
 a name its module defines only when Transformer Engine imports (NameError otherwise): `make_bridge` defines it
-as None, megatron's own "no TE" value, which selects its torch.mm path.
+as None, megatron's own "no TE" value, which selects its torch.mm path. With `routing_replay` every router gets
+megatron's `RouterReplay` (`moe_enable_routing_replay`), which routing_replay.py drives (slime's R2/R3).
 """
 
 from __future__ import annotations
@@ -241,15 +242,23 @@ def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int | None = 128,
-                megatron: dict[str, Any] | None = None) -> Any:
+                megatron: dict[str, Any] | None = None, *, routing_replay: bool = False) -> Any:
     """An mbridge bridge for the HF checkpoint at `hf_dir`, fixed as the module docstring says.
 
     The model options of `megatron` (the config's megatron section, `model_options`) go into the model's
     TransformerConfig, over this module's fusion defaults; an architecture field there must equal what the
     checkpoint gives (slime command lines repeat the model's shape flags), else it is refused. Megatron's
-    parallel state must be initialised first (`init_megatron`).
+    parallel state must be initialised first (`init_megatron`). `routing_replay` (slime's R2/R3) gives every MoE
+    router megatron's `RouterReplay` (`moe_enable_routing_replay`, driven by `routing_replay.py`); refused for a
+    model without experts and with CUDA graphs (a captured router would not read the replayed ids).
     """
     config = load_hf_config(hf_dir)
+    if routing_replay and config.model_type not in MOE_MODEL_TYPES:
+        raise ConfigError(f"routing replay (use_routing_replay / use_rollout_routing_replay) replays the experts of "
+                          f"MoE routers, and {hf_dir} ({config.model_type}) has no experts: drop the flag")
+    if routing_replay and cuda_graphs.requested(megatron or {}):
+        raise ConfigError("routing replay sets each router's expert ids from Python before every micro-batch, which "
+                          "megatron's CUDA graphs (megatron.cuda_graph_impl=local) would not see: use one or the other")
     bridge = AutoBridge.from_config(config, dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     moe = config.model_type in MOE_MODEL_TYPES
     if moe and not hasattr(moe_utils, "te_general_gemm"):  # see the module docstring
@@ -295,6 +304,8 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     if moe:
         defaults.update(moe_options(options))
     chosen = {**defaults, **options}  # the config's options over the fusion defaults
+    if routing_replay:
+        chosen["moe_enable_routing_replay"] = True
     wgrad_fusion.check_options(chosen)
     if chosen["apply_rope_fusion"] and not rope_fusion.install():
         logger.info("apply_rope_fusion: Transformer Engine's rotary kernel")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from slime.backends.megatron import score_kernels
+from slime.backends.megatron import routing_replay, score_kernels
 from slime.backends.megatron.batching import check_expert_parallel_counts, micro_batches
 from slime.backends.megatron.forward import forward_only, is_last_stage, pipeline_size, share_from_last_stage
 from slime.errors import ConfigError
@@ -355,6 +355,7 @@ class SampleLogProbs:
 
     log_probs: list[torch.Tensor]
     entropies: list[torch.Tensor] | None
+    routed_experts: list[torch.Tensor] | None = None  # record_routing: each sample's [len(tokens) - 1, L, k] experts
 
 
 def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, vocab_size: int,
@@ -363,9 +364,14 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
                       pad_token_id: int = 0, pad_multiple: int = 1, chunk_size: int = -1,
                       compile_scores: bool | None = None, fp32_logits: bool = False,
                       profile: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
-                      workload: Callable[[int], float] | None = None) -> SampleLogProbs:
+                      workload: Callable[[int], float] | None = None,
+                      routed_experts: list[torch.Tensor] | None = None,
+                      record_routing: bool = False) -> SampleLogProbs:
     """Forward-only response log-probs of `samples` (in their order) under `models`, no gradients;
-    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`); `fp32_logits`: see `forward_logits`."""
+    `profile` wraps the iteration over micro-batches (`TrainProfiler.iterate`); `fp32_logits`: see `forward_logits`.
+    MoE routing replay (routing_replay.py; the models built with it): `routed_experts` (one [len(tokens) - 1, L, k]
+    record per sample) are the experts every router uses; `record_routing` returns the experts they chose, on this
+    rank's layers (-1 in the others)."""
     parts = micro_batches([len(s.tokens) for s in samples], micro_batch_size=micro_batch_size,
                           use_dynamic_batch_size=use_dynamic_batch_size, max_tokens_per_gpu=max_tokens_per_gpu,
                           workload=workload)
@@ -373,10 +379,24 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
     check_expert_parallel_counts(len(parts), device)
 
     padded: dict[int, PaddedBatch] = {}  # id(indices) -> its batch, from `run` to `collect`
+    routers = routing_replay.require_routers(models) if routed_experts is not None or record_routing else None
+    recorded: list[torch.Tensor | None] = [None] * len(samples)
 
     def run(model: torch.nn.Module, indices: list[int]) -> torch.Tensor:
         batch = padded[id(indices)] = pad_samples([samples[i] for i in indices], pad_token_id, device, pad_multiple)
-        return forward_logits(model, batch, fp32=fp32_logits)
+        width = batch.tokens.shape[1]
+        if routed_experts is not None:
+            routing_replay.replay_forward(routers, routing_replay.micro_batch_ids(
+                [routed_experts[i] for i in indices], width, routers, device))
+        elif record_routing:
+            routing_replay.start_recording(routers)
+        logits = forward_logits(model, batch, fp32=fp32_logits)
+        if record_routing and routed_experts is None:
+            lengths = [len(samples[i].tokens) for i in indices]
+            for i, record in zip(indices, routing_replay.recorded_records(routers, lengths, width), strict=True):
+                recorded[i] = record
+        routing_replay.clear(routers)  # nothing kept for the next micro-batch (no backward here)
+        return logits
 
     def collect(indices: list[int], logits: torch.Tensor) -> tuple[list[int], PaddedBatch, tuple]:
         batch = padded.pop(id(indices))
@@ -386,7 +406,9 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
 
     log_probs: list[torch.Tensor | None] = [None] * len(samples)
     entropies: list[torch.Tensor | None] = [None] * len(samples)
-    for indices, batch, (logp, _, entropy) in forward_only(models, parts, run, collect, wrap=profile):
+    with routing_replay.cleared_after(routers):
+        results = forward_only(models, parts, run, collect, wrap=profile)
+    for indices, batch, (logp, _, entropy) in results:
         for row, i in enumerate(indices):
             n = batch.host_response_lengths[row]
             log_probs[i] = logp[row, :n]
@@ -400,4 +422,5 @@ def compute_log_probs(models: list[torch.nn.Module], samples: list[Sample], *, v
         log_probs = share_from_last_stage(log_probs if last else None, lengths, device)
         if with_entropy:
             entropies = share_from_last_stage(entropies if last else None, lengths, device)
-    return SampleLogProbs(log_probs, entropies if with_entropy else None)
+    return SampleLogProbs(log_probs, entropies if with_entropy else None,
+                          recorded if record_routing and routed_experts is None else None)

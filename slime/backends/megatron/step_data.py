@@ -7,7 +7,8 @@ keeps them in its `rollout_data` dict) is recomputed from the shard on every run
 the samples in `TrainArrays` rather than on `Sample`: the shard schema stays unchanged.
 
 Every array entry is response-aligned: one value per response token (`Sample.response_length`), given
-as a list, a 1-D tensor, or, for advantages only, a scalar broadcast to the sample's tokens.
+as a list, a 1-D tensor, or, for advantages only, a scalar broadcast to the sample's tokens. The exception is
+`routed_experts`, the MoE routing the train step replays (routing_replay.py): one row of experts per fed token.
 """
 
 from __future__ import annotations
@@ -33,15 +34,25 @@ class TrainArrays:
     old_log_probs: list[PerSample] | None = None  # behaviour policy, recomputed by the trainer
     ref_log_probs: list[PerSample] | None = None  # reference model, for the KL loss
     old_values: list[PerSample] | None = None  # critic values when the advantages were computed
+    # experts to replay (R3: the rollout's, R2: the old-log-prob pass's), [len(tokens) - 1, L, k] int per sample
+    routed_experts: list[torch.Tensor] | None = None
 
     def check(self, samples: list[Sample]) -> None:
-        """Every given array has one entry per sample and one value per response token."""
+        """Every given array has one entry per sample and one value per response token (one row per fed token for
+        `routed_experts`, whose rows routing_replay.py checks)."""
         for f in fields(self):
             column = getattr(self, f.name)
             if column is None:
                 continue
             if len(column) != len(samples):
                 raise DataFormatError(f"TrainArrays.{f.name} has {len(column)} entries for {len(samples)} samples")
+            if f.name == "routed_experts":
+                for sample, value in zip(samples, column, strict=True):
+                    if len(value) != len(sample.tokens) - 1:
+                        raise DataFormatError(f"sample index={sample.index}: TrainArrays.routed_experts has "
+                                              f"{len(value)} rows but the sample feeds {len(sample.tokens) - 1} "
+                                              "tokens (len(tokens) - 1)")
+                continue
             for sample, value in zip(samples, column, strict=True):
                 if f.name == "advantages" and isinstance(value, int | float):
                     continue
@@ -64,6 +75,7 @@ class MicroBatch:
     returns: torch.Tensor | None
     old_values: torch.Tensor | None
     rollout_rows: torch.Tensor | None = None  # bool [b]: rows whose sample carries rollout log-probs
+    routed_experts: dict[int, torch.Tensor] | None = None  # layer -> [S_local * b, k] ids to replay (routing_replay)
 
 
 def _rows(values: list, width: int, device: torch.device) -> torch.Tensor:

@@ -30,6 +30,8 @@ the first, or the ratio never leaves 1). TIS weights compare the trainer's old l
 rollout's. With `reuse_log_probs` (the caller skipped its old-log-prob pass, slime's can_reuse_log_probs_in_loss)
 the step also reports, under `REUSED_PREFIX`, the sums that pass would have given the rollout metrics (log-probs,
 |old - rollout|, KL to the reference, entropy, and their token counts), taken from this forward, detached.
+With `TrainArrays.routed_experts` (MoE routing replay, R2/R3) every micro-batch's routers use those experts
+(routing_replay.py).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from slime.algorithms.policy_loss import (
     value_loss,
 )
 from slime.algorithms.reduce import sample_mean, token_mean
-from slime.backends.megatron import cuda_graphs
+from slime.backends.megatron import cuda_graphs, routing_replay
 from slime.backends.megatron.batching import check_expert_parallel_counts, micro_batches
 from slime.backends.megatron.critic import values_from_output
 from slime.backends.megatron.forward import broadcast_from_last_stage, prepare_schedule
@@ -192,6 +194,7 @@ class _Step:
     num_samples: int  # global N
     num_tokens: int  # global D
     scale: float  # num_microbatches x dp_size
+    routers: routing_replay.Routers | None = None  # the routers replaying TrainArrays.routed_experts
 
     def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the global per-sample or per-token mean."""
@@ -342,8 +345,13 @@ def _forward_step(step: _Step, data_iterator: Any, model: torch.nn.Module) -> tu
         reported["loss"] = total.detach()
         return total * step.scale, reported
 
+    if micro.routed_experts is not None:
+        routing_replay.replay_forward(step.routers, micro.routed_experts)
     # a critic's values [B, S, 1] stay fp32 as megatron returns them: only the vocabulary's logits are large
-    return forward_logits(model, micro.batch, fp32=s.fp32_logits or s.loss_type == "value_loss"), loss_func
+    output = forward_logits(model, micro.batch, fp32=s.fp32_logits or s.loss_type == "value_loss")
+    if micro.routed_experts is not None:
+        routing_replay.forward_done(step.routers)
+    return output, loss_func
 
 
 def _loss_terms(step: _Step, micro: MicroBatch, output: torch.Tensor, entropy: torch.Tensor | None,
@@ -403,21 +411,28 @@ def train_step(models: list[torch.nn.Module], optimizer: Any, samples: list[Samp
     check_expert_parallel_counts(len(parts), device)
     micro = [build_micro_batch(samples, indices, arrays, pad_token_id=pad_token_id, device=device,
                                pad_multiple=settings.data_pad_size_multiplier) for indices in parts]
+    routers = None
+    if arrays.routed_experts is not None:  # MoE routing replay (R2/R3): each micro-batch's ids in its layout
+        routers = routing_replay.require_routers(models)
+        for m in micro:
+            m.routed_experts = routing_replay.micro_batch_ids([arrays.routed_experts[i] for i in m.indices],
+                                                              m.batch.tokens.shape[1], routers, device)
     graphs = cuda_graphs.enabled(models)
     shapes = [tuple(m.batch.tokens.shape) for m in micro]
     if graphs:
         cuda_graphs.check_shapes(models, shapes)
     num_samples, num_tokens = _global_counts(samples, device)
     step = _Step(settings, vocab_size, num_samples, num_tokens,
-                 scale=float(len(micro) * parallel_state.get_data_parallel_world_size()))
+                 scale=float(len(micro) * parallel_state.get_data_parallel_world_size()), routers=routers)
     for model in models:
         model.train()
         model.zero_grad_buffer()
     optimizer.zero_grad()
-    reduced = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, step), data_iterator=iter(micro), model=models,
-        num_microbatches=len(micro), seq_length=max(m.batch.tokens.shape[1] for m in micro),
-        micro_batch_size=max(len(m.indices) for m in micro), forward_only=False)
+    with routing_replay.cleared_after(routers):
+        reduced = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, step), data_iterator=iter(micro), model=models,
+            num_microbatches=len(micro), seq_length=max(m.batch.tokens.shape[1] for m in micro),
+            micro_batch_size=max(len(m.indices) for m in micro), forward_only=False)
     if graphs and cuda_graphs.graphs_created():  # the first step's schedule captured them at its end
         cuda_graphs.note_captured(models, shapes)
     updated, grad_norm, _ = optimizer.step()
