@@ -1,6 +1,7 @@
 """Start one engine of a fleet in this process: built-in or SGLang, bound to `engine.engine_host`, on the GPUs it
-is given (`CUDA_VISIBLE_DEVICES`), with the memory share and LoRA flags the config asks for. Used by the fleet for
-its local engines and by `EngineHost` (a Ray actor) for the engines it runs on other nodes.
+is given (`CUDA_VISIBLE_DEVICES`; a built-in engine given several runs tensor parallel over them, `--tp-size`), with
+the memory share and LoRA flags the config asks for. Used by the fleet for its local engines and by `EngineHost`
+(a Ray actor) for the engines it runs on other nodes.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
         return reachable_url(engine.start().url, host)
     extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
     extra += flags_to_argv(lora_engine_args(c))
+    if len(devices) > 1:  # cluster.rollout_num_gpus_per_engine: the model split over them (tp_group.py)
+        extra += ["--tp-size", str(len(devices))]
     dtype = str(c.sglang_arg("dtype") or "auto")  # --sglang-dtype, checked when the config loads
     with _launch_lock, _visible_devices(devices):
         server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,

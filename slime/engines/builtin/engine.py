@@ -3,11 +3,15 @@
 This module turns SGLang request bodies (`/generate`'s `GenerateReqInput` subset) into scheduler
 requests and scheduler results into SGLang responses, and implements the control operations
 (weight update from disk, memory release, cache flush). HTTP lives in `server.py`.
+
+With `--tp-size N` this process is rank 0 of N (tp_group.py): it serves HTTP, schedules and samples, and its model
+is its slice of the checkpoint (tp_shard.py); `start_tensor_parallel` starts the other ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import glob
 import itertools
@@ -20,7 +24,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
 from slime.engines.builtin.batch import Request
@@ -30,8 +34,11 @@ from slime.engines.builtin.memory import apply_memory_budget
 from slime.engines.builtin.moe import encode_routed_experts
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Scheduler
+from slime.engines.builtin.slots import slot_support
+from slime.engines.builtin.tp_group import TensorParallel, rank_device
+from slime.engines.builtin.tp_shard import check_tp_config, install_all_reduce, shard_parameters
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
-from slime.errors import ConfigError
+from slime.errors import ConfigError, EngineStartError
 from slime.offload import HostParking
 
 logger = logging.getLogger(__name__)
@@ -80,9 +87,10 @@ class EngineArgs:
     lora_target_modules: list[str] | None = None
     admission_window_ms: float = 10.0  # arrivals quiet this long: the waiting group is admitted (scheduler.py)
     gc_freeze: bool = False  # the server process sets it (--disable-gc-freeze clears it): see Scheduler
+    tp_size: int = 1  # SGLang's flag: the model split over this many devices, one process each (tp_group.py)
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     """The engine's device, with an explicit index on CUDA (`cuda` -> `cuda:N`, the current device):
     NCCL groups and `torch.cuda.set_device` need one."""
     if name == "auto":
@@ -93,11 +101,41 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "half": torch.float16}[name]
+
+
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """The HF checkpoint at `model_path` as a `transformers` causal LM on `device`, in inference mode (every rank of
+    a tensor-parallel engine loads it so, then keeps its slice: tp_shard.py)."""
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+
+
+def start_tensor_parallel(args: EngineArgs, model: Any, device: torch.device) -> TensorParallel:
+    """Split `model` (rank 0's, loaded) for `args.tp_size` ranks and start the other ranks (tp_group.py). Whatever
+    the engine cannot split or mirror is refused first with a ConfigError, before any other process starts."""
+    world = args.tp_size
+    if args.enable_lora:
+        raise ConfigError(f"--tp-size {world}: --enable-lora is not supported with tensor parallelism (the merged "
+                          "adapter's deltas are not split over the ranks)")
+    reason = slot_support(model)
+    if args.kv_cache == "dynamic" or reason is not None:
+        why = "--kv-cache dynamic turns it off" if reason is None else f"it does not support {reason}"
+        raise ConfigError(f"--tp-size {world} needs the slot KV cache (--kv-cache auto or slots): {why}")
+    devices = [str(rank_device(device, rank, world)) for rank in range(world)]
+    shard_parameters(model, 0, world)
+    tp = TensorParallel.lead(world, device, lambda rank: {**dataclasses.asdict(args), "device": devices[rank]})
+    try:
+        install_all_reduce(model, tp.all_reduce)
+        tp.call("ready")  # every rank loaded and split its model
+    except Exception as exc:
+        tp.stop()
+        raise EngineStartError(f"tensor-parallel engine did not start: {type(exc).__name__}: {exc}") from exc
+    tp.watch()
+    return tp
 
 
 class BuiltinEngine:
@@ -110,11 +148,22 @@ class BuiltinEngine:
             raise ConfigError(f"--chunked-prefill-size must be a positive number of tokens or -1 (no limit), "
                               f"got {args.chunked_prefill_size}")
         self.args = args
-        self.device = _resolve_device(args.device)
-        self.dtype = _resolve_dtype(args.dtype, self.device)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if args.tp_size != 1:  # a bad split is refused before any weight is read
+            check_tp_config(AutoConfig.from_pretrained(args.model_path), args.tp_size)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=self.dtype).to(self.device).eval()
+        self.model = load_model(args.model_path, self.device, self.dtype)
         self.model_path = args.model_path
+        self.tp = start_tensor_parallel(args, self.model, self.device) if args.tp_size > 1 else None
+        try:
+            self._start(args)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop()
+            raise
+
+    def _start(self, args: EngineArgs) -> None:
         self.scheduler = Scheduler(
             self.model, self.tokenizer, device=self.device, seed=args.random_seed,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
@@ -123,14 +172,16 @@ class BuiltinEngine:
             admission_window_s=args.admission_window_ms / 1000, gc_freeze=args.gc_freeze,
             compile_sampler=not args.disable_sampler_compile, slot_prefill=not args.disable_slot_prefill,
             fuse_kv_write=not args.disable_fused_kv_write, chunked_prefill_size=args.chunked_prefill_size,
+            tp=self.tp,
         )
         self.scheduler.weight_version = args.weight_version
         self.memory_budget: dict[str, Any] | None = None  # --mem-fraction-static: what it decided
         if args.mem_fraction_static is not None:  # before the first request allocates the slot cache
             self.memory_budget = apply_memory_budget(self.scheduler, self.model, self.device,
                                                      args.mem_fraction_static)
-        self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result())
-        self.checker = WeightChecker(self.model)  # /weights_checker
+        self.weights = WeightUpdater(self.model, self.device, lambda fn: self.scheduler.run_command(fn).result(),
+                                     tp=self.tp)
+        self.checker = WeightChecker(self.model, self.tp)  # /weights_checker
         self.lora = LoraAdapters(self.model, lambda fn: self.scheduler.run_command(fn).result(),
                                  enabled=args.enable_lora, max_rank=args.max_lora_rank,
                                  target_modules=args.lora_target_modules, model_path=args.model_path)
@@ -139,10 +190,14 @@ class BuiltinEngine:
         self.last_weight_update: dict[str, Any] | None = None  # what /server_info reports about it
         self._rid_prefix, self._rid_counter = uuid.uuid4().hex[:16], itertools.count()
         self.scheduler.start()
-        logger.info("built-in engine: %s on %s (%s)", args.model_path, self.device, self.dtype)
+        logger.info("built-in engine: %s on %s (%s)%s", args.model_path, self.device, self.dtype,
+                    f", tensor parallel over {args.tp_size} ranks" if self.tp is not None else "")
 
     def shutdown(self) -> None:
+        """Stop the model thread, then the other tensor-parallel ranks (which exit once told)."""
         self.scheduler.stop()
+        if self.tp is not None:
+            self.tp.stop()
 
     # ------------------------------------------------------------------ /generate
 
@@ -350,13 +405,15 @@ class BuiltinEngine:
         if self.device.type == "cuda":  # the slot cache and its graphs point at the old weights: rebuilt later
             self.scheduler.run_command(lambda: (self.scheduler.drop_kv_cache(),
                                                 self.parking.park(weight_slots(self.model,
-                                                                               self.scheduler.projections)))).result()
+                                                                               self.scheduler.projections)),
+                                                self.tp is not None and self.tp.call("park"))).result()
             with torch.cuda.device(self.device):  # this HTTP worker thread's current device may be another
                 torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         if self.device.type == "cuda":
-            self.scheduler.run_command(self.parking.unpark).result()
+            self.scheduler.run_command(lambda: (self.parking.unpark(),
+                                                self.tp is not None and self.tp.call("unpark"))).result()
         self.scheduler.set_released(False)
 
     def model_info(self) -> dict[str, Any]:
@@ -387,6 +444,14 @@ class BuiltinEngine:
                                  "weight_update_groups": sorted(self.weights.groups),
                                  "lora_adapters": self.lora.names(),
                                  "busy_period": self.scheduler.stats.snapshot(),
-                                 "gc_frozen_objects": gc.get_freeze_count()}],
+                                 "gc_frozen_objects": gc.get_freeze_count(),
+                                 "tensor_parallel": self._tp_info()}],
             "version": __version__,
         }
+
+    def _tp_info(self) -> dict[str, Any] | None:
+        """/server_info's view of the ranks: what a caller needs to see them all stop (pids, the store's port)."""
+        if self.tp is None:
+            return None
+        return {"size": self.tp.world, "worker_pids": [w.pid for w in self.tp.workers],
+                "master_port": self.tp.master_port, "backend": "nccl" if self.device.type == "cuda" else "gloo"}

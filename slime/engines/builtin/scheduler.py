@@ -54,6 +54,8 @@ from slime.engines.builtin.scheduler_slots import SlotCachePath
 from slime.engines.builtin.scheduler_tokens import TokenChoice
 from slime.engines.builtin.slots import SlotDecoder, slot_support
 from slime.engines.builtin.stats import BusyStats
+from slime.engines.builtin.tp_group import TensorParallel
+from slime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +84,12 @@ class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
         slot_prefill: bool = True,
         fuse_kv_write: bool = True,
         chunked_prefill_size: int = 32768,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.model = model
+        # tensor parallelism (tp_group.py): the model is this rank's slice; every model operation of the model
+        # thread is announced to the other ranks (by the slot decoder, `_prefill_transformers`, the weight targets)
+        self.tp = tp
         self.tokenizer = tokenizer
         self.device = device
         self.seed = seed
@@ -258,6 +264,8 @@ class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
         """Free the slot cache and its captured graphs (model thread only: use `run_command`); they
         are rebuilt at the next request. Needed when the weights move (memory release)."""
         self._slots = None
+        if self.tp is not None:
+            self.tp.announce("drop_slots")
 
     def _choose_kv_cache(self, kv_cache: str) -> str:
         if kv_cache not in ("auto", "slots", "dynamic"):
@@ -265,6 +273,11 @@ class Scheduler(DynamicCachePath, SlotCachePath, TokenChoice):
         reason = slot_support(self.model)
         if kv_cache == "slots" and reason is not None:
             raise ValueError(f"kv_cache=slots: slot decoding does not support {reason}")
+        if self.tp is not None:  # only the slot cache's operations are mirrored on the other ranks
+            why = "--kv-cache dynamic turns it off" if reason is None else f"it does not support {reason}"
+            if kv_cache == "dynamic" or reason is not None:
+                raise ConfigError(f"--tp-size {self.tp.world} needs the slot KV cache (--kv-cache auto or slots): {why}")
+            return "slots"
         if kv_cache == "auto":
             return "slots" if self.device.type == "cuda" and reason is None else "dynamic"
         return kv_cache

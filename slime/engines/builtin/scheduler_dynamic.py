@@ -54,6 +54,8 @@ class DynamicCachePath:
         ids, mask, positions = left_padded([r.input_ids for r in requests], self.device)
         cache = DynamicCache(config=self.model.config)
         scoring = any(r.logprob_start_len >= 0 for r in requests)
+        if self.tp is not None:  # the other ranks run the same forward and keep its cache for `write_prefill`
+            self.tp.announce("forward", [r.input_ids for r in requests], scoring, generate)
         logits, routing = self._forward(requests, ids, mask, positions, cache, all_positions=scoring)
         width = ids.shape[1]  # left-padded: row i's prompt is its last n_i columns
         self._keep_routing(requests, routing, [slice(width - len(r.input_ids), width) for r in requests])

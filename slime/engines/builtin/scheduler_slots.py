@@ -21,7 +21,8 @@ class SlotCachePath:
         if self._slots is None:
             self._slots = SlotDecoder(self.model, slots=self.max_running_requests, max_len=self.context_length,
                                       device=self.device, cuda_graphs=self.cuda_graphs,
-                                      projections=self.projections, fuse_kv_write=self.fuse_kv_write)
+                                      projections=self.projections, fuse_kv_write=self.fuse_kv_write,
+                                      tp=self.tp)
         return self._slots
 
     def _prefill_slots(self, requests: list[Request]) -> None:

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from slime.engine_flags import DTYPES
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
+from slime.errors import SlimeError
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-gc-freeze", action="store_true",
                         help="let Python's garbage collector walk the model's objects in full collections "
                              "(default: frozen at start and after the first burst; a full walk took 0.3 s)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                        help="split the model over this many devices (cuda:i .. cuda:i+N-1 for --device cuda:i; CPU "
+                             "processes on the CPU), one process each, this one serving HTTP: attention heads, KV "
+                             "heads and MLP/expert slices per rank, embeddings and lm_head replicated "
+                             "(docs/engines.md, Tensor parallelism)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -274,6 +280,12 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
                       gc_freeze=not args.disable_gc_freeze)
 
 
+def _exit_with_rank(rank: int, code: int | None) -> None:
+    logger.critical("tensor-parallel rank %d exited (code %s): the engine exits", rank, code)
+    logging.shutdown()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):  # else transformers' hub-id traceback
@@ -282,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
-    engine = BuiltinEngine(engine_args)
+    try:
+        engine = BuiltinEngine(engine_args)
+    except SlimeError as exc:  # a flag or model the engine refuses: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if engine.tp is not None:  # a rank gone: this engine can no longer run its model, so it leaves too
+        engine.tp.on_worker_exit = _exit_with_rank
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
     return 0

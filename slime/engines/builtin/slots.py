@@ -40,6 +40,13 @@ can be captured in a CUDA graph (grouped GEMMs with device-side offsets on bf16 
 row, masked), the prefill an eager one (`moe.dispatch_modes`). Every step and prefill also records the experts
 each fed token was routed to, [rows, tokens, num_hidden_layers, k] int32 (`last_routing`), from which the
 scheduler answers `return_routed_experts`.
+
+Tensor parallelism (`tp`, tp_group.py and tp_shard.py): every rank runs this decoder over its slices of the model
+(its query and key/value heads, so its slot cache holds only its own heads; its slice of each MLP or expert), the
+row-parallel outputs summed over the ranks inside the layer body (o_proj, down_proj, the MoE block's experts), so
+the logits are the same on every rank. Rank 0's decoder announces each prefill, decode step, slot move and prefill
+copy, and broadcasts each step's fed tokens from the device; a follower's decoder runs the same calls. On CUDA the
+all-reduces are NCCL collectives captured in the decode graphs.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from slime.engines.builtin.moe import (
     route,
     routing_record,
 )
+from slime.engines.builtin.tp_group import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +147,15 @@ class SlotDecoder:
 
     def __init__(self, model: Any, *, slots: int, max_len: int, device: torch.device, cuda_graphs: bool,
                  fuse: bool = True, projections: ProjectionFusion | None = None,
-                 fuse_kv_write: bool = True) -> None:
+                 fuse_kv_write: bool = True, tp: TensorParallel | None = None) -> None:
         reason = slot_support(model)
         if reason is not None:
             raise ValueError(f"slot decoding does not support {reason}")
+        # tensor parallelism (tp_group.py): rank 0's decoder announces each operation, the followers' run it too
+        self.tp = tp
+        if tp is not None:
+            tp.announce("slots", {"slots": slots, "max_len": max_len, "cuda_graphs": cuda_graphs, "fuse": fuse,
+                                  "fuse_kv_write": fuse_kv_write})
         if projections is not None:  # the graphs will read the fused buffers: their views must hold
             if len(projections.attention) != len(model.model.layers):
                 raise ValueError(f"projections fused for {len(projections.attention)} layers, the model has "
@@ -158,8 +171,9 @@ class SlotDecoder:
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        world = tp.world if tp is not None else 1  # this rank's heads (tp_shard.py: whole heads per rank)
+        self.heads = config.num_attention_heads // world
+        self.kv_heads = config.num_key_value_heads // world
         self.scaling = attention.scaling
         apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         self._rotate = apply_rotary
@@ -211,6 +225,8 @@ class SlotDecoder:
         overwrites them."""
         if not rows:
             return
+        if self.tp is not None:  # a follower copies the cache of the `transformers` prefill it ran last
+            self.tp.announce("write_prefill", rows, lengths, first_slot)
         width = cache.layers[0].keys.shape[2]
         index = torch.tensor(rows, device=self.device)
         start = torch.tensor([width - n for n in lengths], device=self.device)
@@ -224,6 +240,8 @@ class SlotDecoder:
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Slot `src`'s first `length` positions into slot `dst` (compaction after a row finishes)."""
+        if self.tp is not None:
+            self.tp.announce("move", src, dst, length)
         for keys, values in zip(self.keys, self.values, strict=True):
             keys[dst, :, :length] = keys[src, :, :length]
             values[dst, :, :length] = values[src, :, :length]
@@ -247,6 +265,8 @@ class SlotDecoder:
         if end > self.slots or width > self.max_len or min(len(p) for p in prompts) == 0:
             raise ValueError(f"prefill of {rows} prompts of up to {width} tokens into slots {first_slot}..{end - 1}: "
                              f"the cache has {self.slots} slots of {self.max_len} positions (and no prompt may be empty)")
+        if self.tp is not None:
+            self.tp.announce("prefill", prompts, first_slot)
         model = self.model.model
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
@@ -267,14 +287,18 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------ decode
 
-    def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor | None, positions: list[int]) -> torch.Tensor:
         """Logits [B, V] for feeding `tokens[i]` at `positions[i]` of slot i, i < B, in the model's dtype: the
         sampler reads them in fp32 (compiled, inside its own kernels), so no fp32 copy of the step's logits is
         made here. On CUDA they are a view of the graph's output, valid until the next replay: the sampler's
         kernels are queued before it on the same stream (as for an fp32 model, whose `.float()` was a view)."""
         batch = len(positions)
         length = next(b for b in self.length_buckets if b > max(positions))
-        self.tokens[:batch] = tokens
+        if tokens is not None:  # None on a tensor-parallel follower: rank 0's tokens arrive by broadcast
+            self.tokens[:batch] = tokens
+        if self.tp is not None:  # the tokens stay on the device (no host sync: the overlapped schedule holds)
+            self.tp.announce("decode", positions)
+            self.tp.broadcast(self.tokens[:batch])
         self.positions[:batch] = torch.tensor(positions, dtype=torch.long)
         if not self.cuda_graphs:
             logits, self.last_routing = self._step(batch, length)
@@ -330,7 +354,10 @@ class SlotDecoder:
         flat = x.reshape(batch * width, size)
         weights, ids = route(mlp.gate, flat)
         routing.append(ids.view(batch, width, -1))
-        return experts_forward(mlp.experts, flat, weights, ids, mode).view(batch, width, size)
+        out = experts_forward(mlp.experts, flat, weights, ids, mode)
+        if self.tp is not None:  # each rank's experts hold a slice of their intermediate dimension (tp_shard.py)
+            self.tp.all_reduce(out)
+        return out.view(batch, width, size)
 
     def _mlp(self, layer: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         fused = self.projections.mlp[layer] if self.projections is not None else None

@@ -21,6 +21,10 @@ slot decoder stay valid. Incoming tensors are cast to the engine's dtype, as SGL
 MoE experts may be named one by one (`...mlp.experts.{e}.gate_proj.weight`, as checkpoints and slime's trainer
 name them) or by the model's fused parameters (`...mlp.experts.gate_up_proj`); the former are copied into their
 block of the fused parameter (`moe.expert_aliases`).
+
+With tensor parallelism (`--tp-size`, tp_group.py) every path still receives full HF tensors on rank 0 (from the
+first `serialized_named_tensors` entry, the disk, or the group), checks them against the full shapes, and
+`WeightTargets.copy_in` broadcasts each to the other ranks, every rank copying in its slice (tp_shard.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import torch.distributed as dist
 
 from slime.engines.builtin.moe import expert_aliases
 from slime.engines.builtin.sampling import BadRequestError
+from slime.engines.builtin.tp_group import TensorParallel
+from slime.engines.builtin.tp_shard import full_shape, shard, split_rule
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +132,16 @@ def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: An
 
 class WeightTargets:
     """The model's named parameters and persistent buffers, for checking and in-place copies; per-expert names
-    of a fused-experts MoE model resolve to blocks of its fused parameters (`aliases`)."""
+    of a fused-experts MoE model resolve to blocks of its fused parameters (`aliases`).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    Tensor parallel (`tp`, tp_group.py): names and checks speak of the full HF tensors, each rank holding its slice
+    (tp_shard.py). Rank 0's `copy_in` announces the names, broadcasts each full tensor from its device and copies its
+    slice; the followers `receive` the same tensors and copy theirs."""
+
+    def __init__(self, model: torch.nn.Module, tp: TensorParallel | None = None) -> None:
         self.model = model
+        self.tp = tp
+        self.world = tp.world if tp is not None else 1
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self.aliases = expert_aliases(model)
 
@@ -154,22 +166,48 @@ class WeightTargets:
         return sorted(name for name in self.tensors
                       if name not in names and not (name in pieces and pieces[name] <= names))
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The HF (full) shape of tensor `name` (with tensor parallelism: all ranks' slices together)."""
+        target = self.target(name)
+        return None if target is None else full_shape(name, target.shape, self.world)
+
     def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
         """BadRequestError naming the tensor if it cannot be copied into the model."""
         target = self.target(name)
         if target is None:
             raise BadRequestError(f"tensor {name!r} is not a parameter of the model "
                                   f"(the model has {len(self.tensors)}, e.g. {next(iter(self.tensors), None)!r})")
-        if tuple(shape) != tuple(target.shape):
-            raise BadRequestError(f"tensor {name!r} has shape {list(shape)}, the model's is {list(target.shape)}")
+        if tuple(shape) != self.shape(name):
+            raise BadRequestError(f"tensor {name!r} has shape {list(shape)}, the model's is {list(self.shape(name))}")
         if target.is_floating_point() and not dtype.is_floating_point:
             raise BadRequestError(f"tensor {name!r} has dtype {dtype}, the model's parameter is {target.dtype}")
 
     def copy_in(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copy (cast) every tensor into its parameter, in place (model thread only)."""
+        """Copy (cast) every tensor into its parameter, in place (model thread only); with tensor parallelism
+        each rank its slice (see the class docstring)."""
         with torch.no_grad():
+            if self.tp is None:
+                for name, tensor in named:
+                    self.target(name).copy_(tensor)
+                return
+            self.tp.announce("weights", [(name, list(t.shape), str(t.dtype).removeprefix("torch."))
+                                         for name, t in named])
             for name, tensor in named:
-                self.target(name).copy_(tensor)
+                full = tensor.to(self.tp.device).contiguous()
+                self.tp.broadcast(full)
+                self._copy_slice(name, full)
+
+    def receive(self, specs: Sequence[tuple[str, list[int], str]]) -> None:
+        """A follower's side of rank 0's `copy_in`: the same full tensors, in order, each rank's slice copied in."""
+        with torch.no_grad():
+            for name, shape, dtype in specs:
+                full = torch.empty(shape, dtype=_DTYPES[dtype], device=self.tp.device)
+                self.tp.broadcast(full)
+                self._copy_slice(name, full)
+
+    def _copy_slice(self, name: str, full: torch.Tensor) -> None:
+        rule = split_rule(name)
+        self.target(name).copy_(full if rule is None else shard(full, rule, self.tp.rank, self.world))
 
 
 @dataclass
@@ -187,16 +225,31 @@ class _Group:
 class WeightChecker:
     """SGLang's /weights_checker actions on the live model, for slime's --check-weight-update-equal:
     `snapshot` copies every parameter and persistent buffer to the host, `reset_tensors` zeroes them (so a
-    weight update that skips a tensor cannot pass), `compare` requires each to equal its snapshot exactly."""
+    weight update that skips a tensor cannot pass), `compare` requires each to equal its snapshot exactly.
+    With tensor parallelism (`tp`) rank 0 runs each action on every rank, each over its own slices."""
 
     ACTIONS = ("snapshot", "reset_tensors", "compare")
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tp: TensorParallel | None = None) -> None:
         self.targets = WeightTargets(model)
+        self.tp = tp
         self.snapshot: dict[str, torch.Tensor] | None = None
 
     def run(self, action: Any) -> str:
-        """Do `action` (call on the model's thread); a failed comparison raises BadRequestError naming tensors."""
+        """Do `action` (call on the model's thread); a failed comparison raises BadRequestError naming tensors
+        (and, with tensor parallelism, the ranks)."""
+        if self.tp is not None and self.tp.leader:
+            failed = []
+            for rank, (status, message) in enumerate(self.tp.gather("check", action), start=1):
+                if status != "ok":
+                    failed.append(f"rank {rank}: {message}")
+            mine = self._run(action)
+            if failed:
+                raise BadRequestError("weights_checker on tensor-parallel ranks: " + "; ".join(failed))
+            return mine
+        return self._run(action)
+
+    def _run(self, action: Any) -> str:
         tensors = self.targets.tensors
         if action == "snapshot":
             self.snapshot = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
@@ -222,8 +275,8 @@ class WeightUpdater:
     """Applies tensor and distributed weight updates to a live model through `run_on_model_thread`."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device,
-                 run_on_model_thread: Callable[[Callable[[], Any]], Any]) -> None:
-        self.targets = WeightTargets(model)
+                 run_on_model_thread: Callable[[Callable[[], Any]], Any], tp: TensorParallel | None = None) -> None:
+        self.targets = WeightTargets(model, tp)
         self.device = device
         self._run = run_on_model_thread
         self.groups: dict[str, _Group] = {}
@@ -237,7 +290,8 @@ class WeightUpdater:
                                   "(send a list of (name, tensor) pairs, load_format null)")
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
             raise BadRequestError("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
-        named = decode_named_tensors(serialized_named_tensors[0])  # tensor parallel size 1: rank 0's entry
+        # rank 0's entry: with tensor parallelism rank 0 broadcasts the full tensors to the other ranks (copy_in)
+        named = decode_named_tensors(serialized_named_tensors[0])
         for name, tensor in named:
             self.targets.check(name, tensor.shape, tensor.dtype)
         self.guard()
