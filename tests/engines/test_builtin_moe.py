@@ -40,11 +40,11 @@ def hf_routing(model, tokens: list[int]) -> np.ndarray:
     """The experts `transformers`' routers choose at every position of `tokens`: [T, layers, k] (its router logits,
     output_router_logits, through the router's own softmax + top-k)."""
     with torch.no_grad():
-        out = model(torch.tensor([tokens]), output_router_logits=True)
+        out = model(torch.tensor([tokens], device=model.device), output_router_logits=True)
     k = model.config.num_experts_per_tok
     ids = [torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), k, dim=-1).indices
            for logits in out.router_logits]
-    return torch.stack(ids, dim=1).numpy()
+    return torch.stack(ids, dim=1).cpu().numpy()
 
 
 def decode_routing(meta: dict, rows: int, layers: int, k: int) -> np.ndarray:
