@@ -73,11 +73,15 @@ def publish_stage_report(summary: dict[str, Any], config: Config, config_fields:
 
 
 def publish_eval_table(run_id: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per evaluated checkpoint and dataset: the eval metrics (mean reward, pass@k, ...)."""
+    """One row per evaluated checkpoint and dataset: the eval metrics (mean reward, pass@k, ...), keyed by the
+    checkpoint and, for an RL checkpoint, the rollout id it was saved after and its weight version (the key of
+    the RL loop's own evals, so a scheduled eval of a running run lines up with them)."""
     rows = []
     for result in results:
-        for dataset, figures in result["metrics"]["datasets"].items():
-            rows.append({"checkpoint": result["metrics"]["checkpoint"], "dataset": dataset,
+        m = result["metrics"]
+        for dataset, figures in m["datasets"].items():
+            rows.append({"rollout_id": m.get("rollout_id"), "weight_version": m.get("weight_version"),
+                         "checkpoint": m["checkpoint"], "dataset": dataset,
                          **{k: round(v, 6) if isinstance(v, float) else v for k, v in sorted(figures.items())},
                          "status": result["status"]})
     if rows:

@@ -41,7 +41,9 @@ def evaluate(config: Config, run_id: str, inputs: dict[str, str], output: str) -
         result = run_evaluate(with_fields(config, checkpoint__load=inputs["load"], eval__eval_watch_run=None))
     if result["result"] != output:
         raise RuntimeError(f"evaluate wrote {result['result']}, planned {output}: the plan and the run disagree")
-    metrics = {"checkpoint": result["checkpoint"], "reused": result["reused"], "datasets": result["metrics"],
+    metrics = {"checkpoint": result["checkpoint"], "rollout_id": result.get("checkpoint_rollout_id"),
+               "weight_version": result.get("checkpoint_weight_version"), "reused": result["reused"],
+               "datasets": result["metrics"],
                "evaluate_phases_s": {k: round(v, 3) for k, v in result.get("phases", {}).items()}}
     summary = stage_result("evaluate", {"eval_result": (result["result"], result["manifest_hash"])}, metrics, phases)
     if result["reused"]:  # committed already with these settings, by this flow or `slime evaluate`

@@ -20,6 +20,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+    TaskRunFilterTags,
+)
+from prefect.client.schemas.objects import StateType
 from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectNotFound
@@ -64,6 +71,10 @@ CACHE = StageCachePolicy.of(RL, code_modules=("slime.rl.loop",))
 STEP = {"cache_policy": NO_CACHE, "persist_result": False}
 GPU_LIMIT = f"tag:{GPU_TAG}"  # the limit `prefect concurrency-limit create slime-gpu 1` makes (Prefect 3.8)
 SLOT_LEASE_S = 600  # renewed in the background while an iteration runs
+YIELD_TIMEOUT_S = 60.0  # the longest an iteration lets a waiting scheduled eval go first
+YIELD_POLL_S = 0.5
+WAITING_GPU_TASKS = TaskRunFilter(tags=TaskRunFilterTags(all_=[GPU_TAG]),
+                                  state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.PENDING])))
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -107,11 +118,18 @@ def table_row(record: dict[str, Any], prefect_s: float | None = None) -> dict[st
         row[column] = round(value, 6) if isinstance(value, float) else value
     lags = {int(k.rsplit("_", 1)[1]): v for k, v in record.items() if k.startswith("async/staleness/lag_")}
     row["staleness"] = " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items())) or None  # versions behind: samples
-    evals = {k.split("/")[1]: v for k, v in record.items() if k.startswith("eval/") and k.endswith("/mean_reward")}
-    row["eval_mean_reward"] = ", ".join(f"{n} {v:.4f}" for n, v in sorted(evals.items())) or None
+    row.update(eval_columns(record))
     if prefect_s is not None:
         row["prefect_s"] = round(prefect_s, 3)
     return row
+
+
+def eval_columns(record: dict[str, Any]) -> dict[str, Any]:
+    """The eval part of a table row, keyed by the weight version and checkpoint evaluated (a background eval's
+    line of the eval fleet, or a step record with an eval)."""
+    evals = {k.split("/")[1]: v for k, v in record.items() if k.startswith("eval/") and k.endswith("/mean_reward")}
+    return {"eval_mean_reward": ", ".join(f"{n} {v:.4f}" for n, v in sorted(evals.items())) or None,
+            "eval_weight_version": record.get("eval/weight_version"), "eval_checkpoint": record.get("eval/checkpoint")}
 
 
 def gpu_slot() -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -131,7 +149,27 @@ def gpu_slot() -> Callable[[], contextlib.AbstractContextManager[Any]]:
         except ObjectNotFound:
             return contextlib.nullcontext
     get_run_logger().info("each RL iteration holds a slot of %s (scheduled evals wait for it)", GPU_LIMIT)
-    return functools.partial(concurrency, [GPU_LIMIT], occupy=1, lease_duration=SLOT_LEASE_S)
+    return functools.partial(_slot_after_waiting_evals, set())
+
+
+@contextlib.contextmanager
+def _slot_after_waiting_evals(stuck: set[Any]) -> Iterator[None]:
+    """The iteration's slot, taken after a scheduled eval that waits for it (a task run tagged slime-gpu, Pending
+    while its engine retries the slot) has taken it: the loop takes the slot again within milliseconds of letting
+    it go, while a waiting task retries every few seconds (Prefect's Retry-After), so without this a scheduled eval
+    of a run in progress waited for the run's end (a fully async run, whose generation never stops, is the case
+    it was seen in: tests/flows/test_scheduled_eval_fully_async.py). One read of the API per iteration; a waiting
+    run that has not started after YIELD_TIMEOUT_S is left behind (`stuck`) for the rest of the run."""
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + YIELD_TIMEOUT_S
+        while waiting := [r.id for r in client.read_task_runs(task_run_filter=WAITING_GPU_TASKS, limit=5)
+                          if r.id not in stuck]:
+            if time.monotonic() > deadline:
+                stuck.update(waiting)
+                break
+            time.sleep(YIELD_POLL_S)
+    with concurrency([GPU_LIMIT], occupy=1, lease_duration=SLOT_LEASE_S):
+        yield
 
 
 def table_view(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -225,6 +263,10 @@ def drive(loop: RLLoop, run_id: str, phases: Phases, after_save: Callable[[], An
         get_run_logger().info("iteration %d: Prefect %.3f s (task calls beyond their steps %.3f s, artifacts %.3f s, "
                     "other %.3f s)", rollout_id, prefect_s, tasks_s, artifacts_s, prefect_s - tasks_s - artifacts_s)
         rows.append(table_row(record, prefect_s))
+        for line in record.get("evals", []):  # eval-fleet results that ended now: into their own iteration's row
+            for row in rows:
+                if row["iteration"] == line["rollout_id"]:
+                    row.update(eval_columns(line))
         table_s = 0.0
         if (rollout_id + 1) % TABLE_EVERY and rollout_id + 1 < loop.num_rollout:
             continue

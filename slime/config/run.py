@@ -144,6 +144,11 @@ class ClusterConfig(_Section):
     actor_num_gpus_per_node: int = Field(1, ge=1)
     rollout_num_gpus: int | None = Field(None, ge=0, description="None: actor GPU count when colocated")
     rollout_num_gpus_per_engine: int = Field(1, ge=1)
+    eval_num_gpus: int = Field(0, ge=0, description="fully async: GPUs (on CPU: engine processes) of a separate "
+                                                     "eval engine fleet, in engines of rollout_num_gpus_per_engine; "
+                                                     "evals run there on the weights synced for them while "
+                                                     "training and generation go on (docs/rl.md); 0: evals on "
+                                                     "the rollout engines, the trainer waiting for them")
     num_gpus_per_node: int = Field(8, ge=1)
     colocate: bool = Field(False, description="train and rollout share GPUs (implies both offloads)")
     offload: bool = Field(False, description="slime's shorthand: offload_train and offload_rollout both true")

@@ -113,6 +113,26 @@ def check_async_gpus(config: ConfigTree, fail: Fail) -> None:
              "GPUs: it cannot be combined with colocate", "cluster.colocate")
 
 
+def check_eval_fleet(config: ConfigTree, fail: Fail) -> None:
+    """cluster.eval_num_gpus: an eval fleet beside fully async training, reached by a weight sync that can cross
+    GPUs (tensor sync is CUDA IPC to an engine on the trainer's own GPU)."""
+    c, sync = config.cluster, config.sync
+    if not c.eval_num_gpus:
+        return
+    if sync.async_mode != "fully":
+        fail("cluster.eval_num_gpus", "a separate eval fleet runs evals beside fully async training; in "
+             f"async_mode {sync.async_mode} the loop evaluates between steps on the rollout engines: set "
+             "sync.async_mode fully (--async-mode fully) or unset eval_num_gpus", "sync.async_mode")
+    if c.eval_num_gpus % c.rollout_num_gpus_per_engine:
+        fail("cluster.eval_num_gpus", f"{c.eval_num_gpus} is not a multiple of rollout_num_gpus_per_engine "
+             f"{c.rollout_num_gpus_per_engine}", "cluster.rollout_num_gpus_per_engine")
+    mode = "tensor" if sync.weight_sync_mode == "auto" and c.same_gpus else sync.weight_sync_mode
+    if sync.lora_sync != "adapter" and mode == "tensor":  # slime.sync.syncer.resolve_mode's rule
+        fail("cluster.eval_num_gpus", "the eval engines are on GPUs of their own, which tensor weight sync (CUDA IPC "
+             "to an engine on the trainer's GPU) cannot reach: set sync.weight_sync_mode disk or distributed",
+             "sync.weight_sync_mode", "cluster.share_gpu")
+
+
 def check_weight_sync_options(config: ConfigTree, fail: Fail) -> None:
     """The disk-mode and delta options apply to the transport chosen."""
     s = config.sync

@@ -32,6 +32,7 @@ from slime.config.sync import (
     check_adapter_sync,
     check_async_gpus,
     check_async_mode,
+    check_eval_fleet,
     check_weight_sync_options,
 )
 from slime.config.training import (
@@ -71,6 +72,7 @@ def validate(config: Config, where: dict[str, str]) -> None:
     check_async_mode(config, fail)
     check_share_gpu(config, fail)
     check_async_gpus(config, fail)
+    check_eval_fleet(config, fail)
     check_store(config, fail)
     check_prompt_fits_context(config, fail)
     # checkpoint.save_interval without checkpoint.save: a stage saves to {store}/{run_id}/<stage>/checkpoint

@@ -6,6 +6,7 @@ or `{"CPU": 1}` when the Ray cluster has no GPU at all (CPU mode: same layout, C
     decoupled   bundles = train + rollout; train ranks on bundles [0, train), engines after them
     colocate    bundles = max(train, rollout); train ranks and engines both start at bundle 0
     share_gpu   bundles = train; engine e on bundle e, beside train rank e, both resident
+    eval fleet  cluster.eval_num_gpus more bundles after all of the above, for the eval engines (fully async)
 
 with train = actor_num_nodes x actor_num_gpus_per_node and rollout = rollout_num_gpus (None: the train
 count when colocated, one engine's worth otherwise), cut into engines of rollout_num_gpus_per_engine.
@@ -36,6 +37,7 @@ so dotted plugin paths resolve in actors as in the driver) and shuts down only w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -76,6 +78,7 @@ class PlacementPlan:
     share_gpu: bool = False
     train_gpu: float = TRAIN_SHARE  # of its bundle's GPU, per train actor
     engine_gpu: float = 0.0  # of its first bundle's GPU, claimed for each engine by its EngineHost (share_gpu)
+    eval_engine_bundles: list[list[int]] = field(default_factory=list)  # the eval fleet's (cluster.eval_num_gpus)
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -84,8 +87,10 @@ class PlacementPlan:
     def describe(self) -> str:
         mode = "colocate" if self.colocate else "shared GPUs" if self.share_gpu else "decoupled"
         kind = "GPU" if self.use_gpu else "CPU"
+        evals = f", {len(self.eval_engine_bundles)} eval engines" if self.eval_engine_bundles else ""
         return (f"{mode}, {self.num_bundles} {kind} bundles: {len(self.train_bundles)} train ranks, "
-                f"{len(self.engine_bundles)} engines of {len(self.engine_bundles[0]) if self.engine_bundles else 0}")
+                f"{len(self.engine_bundles)} engines of {len(self.engine_bundles[0]) if self.engine_bundles else 0}"
+                f"{evals}")
 
 
 def plan_placement(cluster: Any, use_gpu: bool) -> PlacementPlan:
@@ -107,12 +112,17 @@ def plan_placement(cluster: Any, use_gpu: bool) -> PlacementPlan:
     else:
         num_bundles, offset = train + rollout, train
     engines = [list(range(offset + e * per_engine, offset + (e + 1) * per_engine)) for e in range(rollout // per_engine)]
+    # the eval fleet: bundles of its own after every other (never shared: its weights differ from the rollout's)
+    evals = [list(range(num_bundles + e * per_engine, num_bundles + (e + 1) * per_engine))
+             for e in range(cluster.eval_num_gpus // per_engine)]
+    num_bundles += cluster.eval_num_gpus
     shares: dict[str, float] = {}
     if cluster.share_gpu:
         train_gpu, engine_gpu = cluster.gpu_fractions()
         shares = {"share_gpu": True, "train_gpu": train_gpu, "engine_gpu": engine_gpu}
     return PlacementPlan(colocate=cluster.colocate, use_gpu=use_gpu, num_bundles=num_bundles,
-                         train_bundles=list(range(train)), engine_bundles=engines, **shares)
+                         train_bundles=list(range(train)), engine_bundles=engines, eval_engine_bundles=evals,
+                         **shares)
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -266,6 +276,14 @@ class Placement:
         """GPU ids (as the node numbers them) of each engine; empty lists in CPU mode."""
         return [[gpu for b in engine for gpu in self.bundles[b].gpus] for engine in self.plan.engine_bundles]
 
+    def eval_fleet(self) -> Placement:
+        """The same placement seen from the eval fleet: its engines are `eval_engine_bundles`, whole bundles
+        (no GPU sharing), so `manager_options`, `engine_host_options` and `engine_devices` place a second
+        rollout manager and its engines there. Do not `remove` it: the group is the run's."""
+        plan = dataclasses.replace(self.plan, engine_bundles=self.plan.eval_engine_bundles, eval_engine_bundles=[],
+                                   share_gpu=False, engine_gpu=0.0)
+        return dataclasses.replace(self, plan=plan)
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -330,7 +348,7 @@ def create_placement(cluster: Any, *, timeout_s: float = 120.0) -> Placement:
         placement.bundles = _probe(placement, timeout_s)
     else:  # CPU bundles of one node are interchangeable: no probe
         placement.bundles = [Bundle(i, "", []) for i in range(plan.num_bundles)]
-    for e, engine in enumerate(plan.engine_bundles):
+    for e, engine in enumerate(plan.engine_bundles + plan.eval_engine_bundles):
         nodes = {placement.bundles[b].node_id for b in engine}
         if len(nodes) > 1:
             placement.remove()

@@ -14,6 +14,11 @@ Order of one iteration (slime's `train.py`; `train_async.py` with `sync.async_mo
     maybe_eval(id)    every eval_interval and at the last rollout, on weight version id+1
     log_step(id)      one line of {store}/{run_id}/rl/metrics.jsonl (and TensorBoard); the record
 
+Fully async with an eval fleet (`cluster.eval_num_gpus`, slime.rl.eval_fleet): the sync of an eval step
+pushes the weights to the fleet too, `maybe_eval` launches the eval there and returns, and the result is
+logged when it ends (its own metrics line, keyed by rollout id, weight version and checkpoint); the last
+step waits for it.
+
 Colocated (`offload_rollout` / `offload_train`, default: `colocate`): engines release their memory
 after each rollout and take it back before the sync; train ranks take theirs back before training
 and release it after the sync. Ordering guarantee used for resume: the rollout manager is a
@@ -33,6 +38,7 @@ from slime.errors import ConfigError, NotCommittedError
 from slime.ray.placement import RayCluster, check_across_nodes, create_placement
 from slime.ray.rollout_manager import RolloutManager
 from slime.ray.train_group import TrainGroup
+from slime.rl.eval_fleet import EvalFleet
 from slime.rl.metrics import MetricsLog, check_tensorboard, headline, jsonable, read_metrics
 from slime.rl.stale import set_aside_stale_steps
 from slime.rl.tracking import WandbLogger, check_wandb
@@ -120,6 +126,7 @@ class RLLoop:
         self.placement: Any = None
         self.manager: Any = None
         self.train_group: Any = None
+        self.eval_fleet: EvalFleet | None = None  # fully async with cluster.eval_num_gpus
         self.metrics_log: MetricsLog | None = None
         self.num_rollout = 0
         self.start_rollout_id = 0
@@ -131,6 +138,8 @@ class RLLoop:
         self._states: dict[int, Any] = {}  # rollout id -> ref of the data-source state after its batch
         self._steps: dict[int, dict[str, Any]] = {}  # rollout id -> merged metrics of the step
         self._evaluated: set[int] = set()
+        self._checkpoints: dict[int, str] = {}
+        self._landed: list[dict[str, Any]] = []  # eval-fleet results collected, not yet logged  # weight version -> the checkpoint holding it (eval results' key)
         self._closed = False
 
     # ------------------------------------------------------------------------- set-up
@@ -174,7 +183,11 @@ class RLLoop:
             self.manager = ray.remote(RolloutManager).options(**self.placement.manager_options()).remote(
                 c.model_dump(mode="json"), self.placement.engine_devices(), self.log_dir,
                 self.placement.engine_host_options(), gc_freeze=True)
-            started = ray.get(self.manager.start.remote())
+            starts = [self.manager.start.remote()]
+            if c.cluster.eval_num_gpus:  # its engines start beside the rollout engines
+                self.eval_fleet = EvalFleet(c, self.placement.eval_fleet(), self.log_dir)
+                starts.append(self.eval_fleet.start())
+            started = ray.get(starts)[0]
         self.worker_urls = started["worker_urls"]
         self.num_rollout = self._resolve_num_rollout()
         if not c.run.debug_rollout_only:  # slime's --debug-rollout-only: no trainer
@@ -205,7 +218,10 @@ class RLLoop:
         if check:  # slime: engines snapshot their (HF) weights and zero them; the first sync must restore them
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.manager.check_weights.remote(action))
-        sync = {} if debug else self._update_weights(self.start_rollout_id)  # engines start from HF: align them
+        # engines start from HF: align them (the eval fleet too: a before-train eval runs there)
+        sync = {} if debug else self._update_weights(self.start_rollout_id, evals=self.eval_fleet is not None)
+        start = (latest_checkpoint(c.checkpoint.save) if own else None) or c.checkpoint.load or c.checkpoint.hf_checkpoint
+        self._checkpoints[self.start_rollout_id] = start  # what the weights of the first version came from
         if check:
             ray.get(self.manager.check_weights.remote("compare"))
             logger.info("--check-weight-update-equal: every engine's weights equal their snapshot after the sync")
@@ -345,12 +361,17 @@ class RLLoop:
         if self.offload_rollout and self.manager is not None:
             metrics.update(ray.get(self.manager.onload.remote()))
         synced = self.sync_due(rollout_id)
+        evals = synced and self.eval_fleet is not None and self.eval_due(rollout_id)
+        if evals:  # the fleet's weights change only between its evals: the previous one ends first
+            lines, waited = self.eval_fleet.wait()
+            self._landed += lines
+            metrics["perf/eval_fleet_wait_s"] = waited
         if self.fully_async:
             if synced and not self._generation_paused:  # no request runs while the weights change
                 metrics.update(ray.get(self.manager.pause_generation.remote())["metrics"])
                 self._generation_paused = True
             if synced:
-                metrics.update(self._update_weights(rollout_id + 1))
+                metrics.update(self._update_weights(rollout_id + 1, evals=evals))
             if self._generation_paused:
                 ray.get(self.manager.resume_generation.remote(self.weight_version))
                 self._generation_paused = False
@@ -374,19 +395,28 @@ class RLLoop:
         return {"rollout_id": rollout_id, "synced": synced, "weight_version": self.weight_version,
                 "sync_s": metrics.get("sync/total_s", 0.0)}
 
-    def _update_weights(self, version: int) -> dict[str, Any]:
+    def _update_weights(self, version: int, evals: bool = False) -> dict[str, Any]:
         """Sync every live engine (restarted ones awaiting weights included: fault tolerance); the rollout
-        manager then lets those that report `version` serve again."""
+        manager then lets those that report `version` serve again. `evals`: the eval fleet's engines too, in
+        the same call (the trainer exports the weights once; distributed sync reconnects when the engine set
+        changes)."""
         import ray
 
         self.worker_urls = ray.get(self.manager.begin_weight_update.remote())
+        fleet = self.eval_fleet if evals else None
+        eval_urls = fleet.begin_weight_update() if fleet is not None else []
         try:
-            metrics = self.train_group.update_weights(self.worker_urls, str(version))
+            metrics = self.train_group.update_weights(self.worker_urls + eval_urls, str(version))
         except BaseException:
             with contextlib.suppress(Exception):
                 ray.get(self.manager.end_weight_update.remote(None))
+            if fleet is not None:
+                with contextlib.suppress(Exception):
+                    fleet.end_weight_update(None)
             raise
         metrics.update(ray.get(self.manager.end_weight_update.remote(str(version))))
+        if fleet is not None:
+            fleet.end_weight_update(version)
         self.weight_version = version
         return metrics
 
@@ -400,15 +430,22 @@ class RLLoop:
 
     @unwrap_signal_errors
     def maybe_eval(self, rollout_id: int, before_train: bool = False) -> dict[str, Any]:
-        """Evaluate the engines' current weights when due; stored as eval step `weight_version`."""
+        """Evaluate the engines' current weights when due; stored as eval step `weight_version`, keyed in the
+        metrics by rollout id, weight version and the checkpoint holding those weights (None: none saved).
+        With an eval fleet the eval is launched there and this returns at once (`launched`); its result is
+        logged when it ends (`log_step`)."""
         import ray
 
         version = self.weight_version
         if not self.eval_due(rollout_id, before_train) or version in self._evaluated:
             return {"rollout_id": rollout_id, "evaluated": False}
-        metrics = ray.get(self.manager.eval.remote(version))
         self._evaluated.add(version)
-        metrics["eval/weight_version"] = version
+        checkpoint = self._checkpoints.get(version)
+        if self.eval_fleet is not None:
+            self.eval_fleet.launch(rollout_id, version, checkpoint)
+            return {"rollout_id": rollout_id, "evaluated": False, "launched": True, "weight_version": version}
+        metrics = ray.get(self.manager.eval.remote(version))
+        metrics.update({"eval/rollout_id": rollout_id, "eval/weight_version": version, "eval/checkpoint": checkpoint})
         self._step(rollout_id).update(metrics)
         return {"rollout_id": rollout_id, "evaluated": True, **jsonable(metrics)}
 
@@ -447,6 +484,7 @@ class RLLoop:
         # --async-save: committed in the background, except the last save and one the released ranks resume from
         wait = rollout_id + 1 == self.num_rollout or self.config.cluster.release_train
         self.last_checkpoint = self.train_group.save(rollout_id, extra, wait=wait)
+        self._checkpoints[rollout_id + 1] = self.last_checkpoint
         for old in [i for i in self._states if i < rollout_id]:
             del self._states[old]
         seconds = time.monotonic() - t0
@@ -455,15 +493,28 @@ class RLLoop:
 
     @unwrap_signal_errors
     def log_step(self, rollout_id: int) -> dict[str, Any]:
-        """Write the step's record (headline numbers first, then every scalar) and return it."""
+        """Write the step's record (headline numbers first, then every scalar) and return it. Eval-fleet
+        results that ended since the last step (all of them at the last step) come first, each a line of
+        its own, listed under the returned record's "evals" (not written: a list)."""
         metrics = self._steps.pop(rollout_id, {})
         for old in [i for i in self._states if i < rollout_id]:  # a later save needs only its own state
             del self._states[old]
+        if self.eval_fleet is not None:
+            self._landed += self.eval_fleet.wait()[0] if rollout_id + 1 == self.num_rollout else self.eval_fleet.poll()
+        landed, self._landed = self._landed, []
+        for line in [x for x in landed if x["rollout_id"] == rollout_id]:  # ended within its own step
+            landed.remove(line)
+            metrics.update({k: v for k, v in line.items() if k not in ("rollout_id", "record", "time")})
         record = {"rollout_id": rollout_id, "time": time.time(), "weight_version": self.weight_version,
                   "async": self.config.sync.async_mode, **headline(metrics), **jsonable(metrics)}
         record = jsonable(record)
+        evals = [jsonable(line) for line in landed]
         if self.metrics_log is not None:
+            for line in evals:
+                self.metrics_log.append(line)
             self.metrics_log.append(record)
+        if evals:
+            record["evals"] = evals
         logger.info("rollout %d: reward %.4f, ppo_kl %.3g, grad_norm %.4g, rollout %.1f s, train %.1f s, sync %.1f s",
                     rollout_id, record.get("rl/reward_mean", float("nan")), record.get("rl/ppo_kl", float("nan")),
                     record.get("rl/grad_norm", float("nan")), record.get("rl/rollout_s", 0.0),
@@ -487,6 +538,8 @@ class RLLoop:
         if self.train_group is not None:
             with contextlib.suppress(Exception):
                 self.train_group.shutdown()
+        if self.eval_fleet is not None:
+            self.eval_fleet.dispose()
         if self.manager is not None:
             try:  # runs after any generate still queued in the actor; its engines need stopping
                 ray.get(self.manager.dispose.remote(), timeout=CLOSE_TIMEOUT_S)

@@ -4,7 +4,10 @@ Every rollout step becomes one JSON object (one line of `{store}/{run_id}/rl/met
 the headline keys below plus every scalar the rollout manager, the train group, the weight sync and
 the eval returned. The file is only ever appended to (one write per line), so a resumed run adds
 its lines after the killed run's; a step that ran twice (after the last checkpoint, before a kill)
-appears twice and the later line is the one that counts (`read_metrics` keeps it).
+appears twice and the later line is the one that counts (`read_metrics` keeps it). An eval that ran
+in the background (fully async with an eval fleet, slime.rl.eval_fleet) adds a line of its own when it
+ends, `"record": "eval"` with its step's rollout id, after that step's line: `read_metrics` merges it into
+the step's record.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
 
 # keys of a step record that measure time or speed, or name outputs of the run: they differ between two
 # runs of the same config and seed, everything else must not
-_RUN_SPECIFIC = re.compile(r"(_s$|_time$|time_s$|per_s$|^time$|^perf/|^sync/|uri$)")
+_RUN_SPECIFIC = re.compile(r"(_s$|_time$|time_s$|per_s$|^time$|^perf/|^sync/|uri$|checkpoint$)")
 
 
 # gaps between the trainer's and the engine's log-probs: the engine computes a request's log-probs in
@@ -148,7 +151,8 @@ class MetricsLog:
 
 
 def read_metrics(uri: str, storage_options: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
-    """rollout id -> its record; a step written twice (re-run after a resume) keeps the later line."""
+    """rollout id -> its record; a step written twice (re-run after a resume) keeps the later line; an eval
+    line (`"record": "eval"`) is merged into the record of its rollout id written before it."""
     fs, path = open_fs(uri, storage_options or {})
     if not fs.exists(path):
         return {}
@@ -161,5 +165,13 @@ def read_metrics(uri: str, storage_options: dict[str, Any] | None = None) -> dic
         except ValueError:  # a line cut by a crash mid-write
             logger.warning("%s:%d: not JSON, skipped", uri, number)
             continue
-        records[int(record["rollout_id"])] = record
+        rollout_id = int(record["rollout_id"])
+        if record.get("record") == "eval":
+            if rollout_id in records:
+                records[rollout_id].update({k: v for k, v in record.items() if k not in ("record", "time")})
+            else:
+                logger.warning("%s:%d: eval line of rollout %d before that step's line, skipped", uri, number,
+                               rollout_id)
+            continue
+        records[rollout_id] = record
     return records

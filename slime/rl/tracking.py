@@ -3,7 +3,7 @@ TensorBoard and the Prefect artifacts.
 
 Each step record (`slime.rl.metrics`) is logged once, with slime's metric names (rollout/*, train/*, eval/*,
 perf/*, as the trainer and rollout produce them) and slime's step axes: `rollout/step` (the rollout id) for
-rollout/*, perf/* and eval/*, and `train/step` (optimizer steps so far) for train/*; with
+rollout/*, perf/* and eval/* (a background eval's line, logged when it ends: its own step's rollout id), and `train/step` (optimizer steps so far) for train/*; with
 `--wandb-always-use-train-step` every axis is the train step. The run is named as slime names it: group
 `{wandb_group}_{6-char id}` (no suffix with `--disable-wandb-random-suffix`), name `{group}-RANK_0`; the
 group defaults to the run id. `--wandb-mode offline` (or `WANDB_MODE=offline`, read by wandb itself)
@@ -50,6 +50,7 @@ class WandbLogger:
 
         r = config.run
         self.always_train_step = r.wandb_always_use_train_step
+        self._train_steps = 1  # optimizer steps per rollout, from the last step record
         if r.wandb_mode != "offline" and r.wandb_key:
             wandb.login(key=r.wandb_key, host=r.wandb_host)
         group = r.wandb_group or r.run_id or "slime"
@@ -74,11 +75,17 @@ class WandbLogger:
     def log(self, record: dict[str, Any]) -> None:
         """Log one step record's numbers with slime's step axes."""
         rollout_id = int(record["rollout_id"])
-        train_step = rollout_id * int(record.get("train/steps") or 1)  # every rollout has the same step count
+        if record.get("train/steps"):
+            self._train_steps = int(record["train/steps"])
+        train_step = rollout_id * self._train_steps  # every rollout has the same step count
         rollout_axis = train_step if self.always_train_step else rollout_id
         data = {k: v for k, v in record.items()
                 if "/" in k and isinstance(v, int | float) and not isinstance(v, bool)}
-        data.update({"train/step": train_step, "rollout/step": rollout_axis, "eval/step": rollout_axis})
+        if record.get("record") == "eval":  # a background eval, ended after its step: eval/* at that step
+            data = {k: v for k, v in data.items() if k.startswith("eval/")}
+            data["eval/step"] = rollout_axis
+        else:
+            data.update({"train/step": train_step, "rollout/step": rollout_axis, "eval/step": rollout_axis})
         self.run.log(data)
 
     def finish(self) -> None:

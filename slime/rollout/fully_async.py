@@ -86,6 +86,7 @@ class FullyAsyncRollout:
         self._reasons: Counter = Counter()
         self._tokens = 0  # response tokens generated since the last batch
         self._counted = 0  # of the running GenerateState's new_tokens, already in _tokens
+        self._pauses = 0  # since the last batch (weight syncs and checkpoints; never an eval on the eval fleet)
         self._failed_in_a_row = 0
         self._first_error = ""
         self._error: BaseException | None = None
@@ -133,6 +134,7 @@ class FullyAsyncRollout:
         t0 = time.monotonic()
         with self._cond:
             self._pause_requested = True
+            self._pauses += 1
         self._signal(self._wake)
         if not self._paused.wait(PAUSE_TIMEOUT_S):
             raise RolloutEngineError(f"fully async rollout did not stop within {PAUSE_TIMEOUT_S:.0f} s of a pause")
@@ -187,6 +189,7 @@ class FullyAsyncRollout:
             counts, self._counts = self._counts, Counter()
             reasons, self._reasons = self._reasons, Counter()
             tokens, self._tokens = self._tokens, 0
+            pauses, self._pauses = self._pauses, 0
             now = time.monotonic()
             idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
             self._idle_s, self._idle_since = 0.0, (now if self._idle_since is not None else None)
@@ -200,6 +203,7 @@ class FullyAsyncRollout:
                         "async/groups/stale_regenerated": counts["stale_regenerated"],
                         "async/groups/interrupted": counts["interrupted"],
                         "async/groups/restarted": counts["restarted"], "async/engine_version": self.engine_version,
+                        "async/generation_pauses": pauses,
                         "perf/engine_idle_s": idle})
         return kept, dropped, metrics
 

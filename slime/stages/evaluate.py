@@ -145,9 +145,24 @@ def _result(meta: dict[str, Any], uri: str, result_hash: str, started: float, re
     return {"skipped": False, "reused": reused, "result": uri, "summary": join_uri(uri, SUMMARY_NAME),
             "manifest_hash": result_hash, "checkpoint": meta["checkpoint"],
             "checkpoint_manifest_hash": meta["checkpoint_manifest_hash"],
+            "checkpoint_rollout_id": meta.get("checkpoint_rollout_id"),
+            "checkpoint_weight_version": meta.get("checkpoint_weight_version"),
             "datasets": {name: join_uri(uri, name) for name in meta["metrics"]},
             "metrics": meta["metrics"], "eval_seconds": meta["eval_seconds"],
             "seconds": time.perf_counter() - started}
+
+
+def policy_step(source: str) -> dict[str, int | None]:
+    """The RL step a checkpoint of the RL loop holds: the rollout id it was saved after and the weight version
+    of its weights (its training state's extra state), so a scheduled eval of a running run is keyed as the
+    loop's own evals are; None for anything else (an HF directory, a conversion, a remote checkpoint: the
+    result is keyed by the checkpoint alone)."""
+    path = os.path.join(source, "training_state.json")  # slime.backends.megatron.checkpoint.TRAINING_STATE
+    if is_remote(source) or not os.path.isfile(path):
+        return {"checkpoint_rollout_id": None, "checkpoint_weight_version": None}
+    with open(path) as f:
+        extra = json.load(f).get("extra_state") or {}
+    return {"checkpoint_rollout_id": extra.get("rollout_id"), "checkpoint_weight_version": extra.get("weight_version")}
 
 
 def split_metrics(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
@@ -273,7 +288,7 @@ def run_evaluate(config: Config) -> dict[str, Any]:
             out = generate_rollout(eval_args, 0, None, evaluation=True)
             phases["eval_s"] = time.perf_counter() - mark
     names = [ds.name for ds in datasets]
-    meta = {"checkpoint": source, "checkpoint_manifest_hash": plan.policy_hash,
+    meta = {"checkpoint": source, "checkpoint_manifest_hash": plan.policy_hash, **policy_step(source),
             "metrics": split_metrics(out.metrics, names), "eval_seconds": phases["eval_s"], "settings": settings,
             "eval_key": key}
     mark = time.perf_counter()

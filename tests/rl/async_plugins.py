@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+from slime.rollout import generate_rollout
 from slime.rollout.generate import generate
 from slime.types import Sample, Status
 
@@ -26,3 +29,12 @@ async def long_every_fourth_group(args, sample: Sample, sampling_params: dict) -
             FINISHED_LONG.add(key)
         return sample
     return await generate(args, sample, sampling_params)
+
+
+EVAL_SLEEP_S = 5.0
+
+
+def slow_eval(args, rollout_id: int, data_source, evaluation: bool = False):
+    """slime's eval after EVAL_SLEEP_S: an eval that spans training steps (the eval fleet's tests)."""
+    time.sleep(EVAL_SLEEP_S)
+    return generate_rollout(args, rollout_id, data_source, evaluation=evaluation)

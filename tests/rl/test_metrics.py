@@ -1,6 +1,8 @@
 """`outcome` / `outcome_differences`: what a resumed run must reproduce of an uninterrupted run's step record."""
 
-from slime.rl.metrics import ENGINE_ROUNDED_ATOL, outcome, outcome_differences
+import json
+
+from slime.rl.metrics import ENGINE_ROUNDED_ATOL, outcome, outcome_differences, read_metrics
 
 RECORD = {"rollout_id": 2, "time": 1795306589.1, "weight_version": 3, "async": False, "rl/reward_mean": 0.5,
           "rl/grad_norm": 1.465, "rl/rollout_s": 0.6, "rl/tokens_per_s": 80.0, "train/loss": -0.01,
@@ -24,3 +26,20 @@ def test_differences_are_exact_except_the_engine_log_prob_gap():
     assert len(outcome_differences(far, RECORD)) == 1
     missing = {k: v for k, v in RECORD.items() if k != "eval/tiny/mean_reward"}
     assert outcome_differences(missing, RECORD) == ["eval/tiny/mean_reward: None != 0.25"]
+
+
+def test_an_eval_line_is_merged_into_its_steps_record_and_an_orphan_is_skipped(tmp_path):
+    """A background eval (slime.rl.eval_fleet) ends after its step's line: its own line, merged on read."""
+    lines = [{"rollout_id": 0, "time": 1.0, "rl/reward_mean": 0.5},
+             {"rollout_id": 1, "time": 2.0, "rl/reward_mean": 0.75},
+             {"rollout_id": 0, "record": "eval", "time": 3.0, "eval/rollout_id": 0, "eval/weight_version": 1,
+              "eval/checkpoint": "ckpt/iter_0000000", "eval/tiny/mean_reward": 0.25},
+             {"rollout_id": 7, "record": "eval", "time": 4.0, "eval/weight_version": 8}]  # no step 7 before it
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = read_metrics(str(path))
+    assert sorted(records) == [0, 1]
+    assert records[0] == {"rollout_id": 0, "time": 1.0, "rl/reward_mean": 0.5, "eval/rollout_id": 0,
+                          "eval/weight_version": 1, "eval/checkpoint": "ckpt/iter_0000000",
+                          "eval/tiny/mean_reward": 0.25}  # the step's own time kept
+    assert "eval/checkpoint" not in outcome(records[0])  # a path of the run, like a URI

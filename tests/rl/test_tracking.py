@@ -48,6 +48,18 @@ def test_wandb_logs_slimes_names_on_slimes_step_axes(tmp_path):
     assert (second["rollout/step"], second["train/step"]) == (1, 2)  # 2 optimizer steps per rollout
 
 
+def test_wandb_logs_a_background_eval_at_its_own_step(tmp_path):
+    """An eval-fleet result that ended after later steps: eval/* only, against eval/step = its rollout id."""
+    logger = WandbLogger(_wandb_config(tmp_path))
+    for record in [*RECORDS, {"rollout_id": 0, "record": "eval", "eval/rollout_id": 0, "eval/weight_version": 1,
+                              "eval/checkpoint": "ckpt", "eval/tiny/mean_reward": 0.75, "perf/eval_time": 2.0}]:
+        logger.log(record)
+    logger.finish()
+    late = read_offline_run(tmp_path)["history"][-1]
+    assert late["eval/step"] == 0 and late["eval/tiny/mean_reward"] == 0.75 and late["eval/weight_version"] == 1
+    assert "perf/eval_time" not in late and "rollout/step" not in late and "eval/checkpoint" not in late
+
+
 def test_wandb_always_train_step_and_no_suffix(tmp_path):
     logger = WandbLogger(_wandb_config(tmp_path, "--wandb-always-use-train-step", "--disable-wandb-random-suffix"))
     for record in RECORDS:

@@ -68,6 +68,15 @@ def test_metric_rows_take_the_headline_numbers_and_eval_rewards():
     assert row["staleness"] is None and row["stale_dropped"] is None
 
 
+def test_metric_rows_key_an_eval_by_weight_version_and_checkpoint():
+    record = {"rollout_id": 3, "eval/rollout_id": 3, "eval/weight_version": 4, "eval/checkpoint": "c/iter_0000003",
+              "eval/arithmetic/mean_reward": 0.5}
+    row = table_row(record)
+    assert (row["eval_weight_version"], row["eval_checkpoint"], row["eval_mean_reward"]) == \
+        (4, "c/iter_0000003", "arithmetic 0.5000")
+    assert table_row({"rollout_id": 2})["eval_weight_version"] is None
+
+
 def test_metric_rows_show_fully_async_staleness_and_idle_time():
     record = {"rollout_id": 5, "async/staleness/lag_0": 12, "async/staleness/lag_1": 4, "async/staleness/lag_10": 1,
               "async/staleness/max": 10, "async/groups/stale_dropped": 2, "async/groups/stale_regenerated": 0,
