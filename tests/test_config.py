@@ -147,6 +147,9 @@ def test_critic_only_steps_need_the_ppo_critic():
     assert load_config(None, []).algorithm.num_critic_only_steps == 0  # slime's default: the actor always trains
     ppo = load_config(None, ["--advantage-estimator", "ppo", "--num-critic-only-steps", "2"]).algorithm
     assert (ppo.advantage_estimator, ppo.num_critic_only_steps) == ("ppo", 2)
+    # the LoRA train path builds no critic
+    with pytest.raises(ConfigError, match="algorithm.advantage_estimator: ppo trains a value critic.*lora_rank 0"):
+        load_config(None, ["--advantage-estimator", "ppo", "--lora-rank", "4"])
 
 
 def test_context_len_gives_slime_defaults():

@@ -213,6 +213,15 @@ def check_critic_only_steps(config: ConfigTree, fail: Fail) -> None:
              "set --advantage-estimator ppo, or drop --num-critic-only-steps", "algorithm.advantage_estimator")
 
 
+def check_ppo_critic(config: ConfigTree, fail: Fail) -> None:
+    """The PPO critic is a full-parameter model built beside the actor (slime/ray/train_critic.py); the LoRA train
+    path builds adapters on a frozen base and no critic, so ppo with LoRA would have no values: refused here."""
+    if config.algorithm.advantage_estimator == "ppo" and config.lora.lora_rank:
+        fail("algorithm.advantage_estimator", "ppo trains a value critic beside the actor, which the LoRA train path "
+             "does not build: use a full-parameter actor (lora_rank 0) for ppo, or another estimator with LoRA",
+             "lora.lora_rank")
+
+
 def check_batch_shape(config: ConfigTree, fail: Fail) -> None:
     """A rollout splits into whole optimizer steps, and a step into micro-batches."""
     r, t = config.rollout, config.train

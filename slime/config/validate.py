@@ -45,6 +45,7 @@ from slime.config.training import (
     check_lr_schedules,
     check_opd,
     check_policy_terms,
+    check_ppo_critic,
     check_ref_update_interval,
     check_routing_replay,
     check_stateless_adam,
@@ -68,6 +69,7 @@ def validate(config: Config, where: dict[str, str]) -> None:
     check_over_sampling(config, fail)
     check_policy_terms(config, fail)
     check_critic_only_steps(config, fail)
+    check_ppo_critic(config, fail)
     check_lr_schedules(config, fail)
     check_async_mode(config, fail)
     check_share_gpu(config, fail)

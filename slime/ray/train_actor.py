@@ -25,7 +25,8 @@ reference is a separate model rather than a CPU copy swapped in.
 The class here is the actor's face (`init`, `train`, `close`); its other concerns live beside it as the parts
 it is made of: `train_checkpoints.CheckpointIO` (the weights a run starts from, `save`), `train_inputs.TrainInputs`
 (rewards, log-prob passes and advantages of a train call), `train_memory.GpuMemory` (`offload`/`onload`),
-`train_sync.WeightSync` (`update_weights`, --keep-old-actor); the pure helpers in `train_data` and `train_weights`.
+`train_sync.WeightSync` (`update_weights`, --keep-old-actor), `train_critic.Critic` (PPO's value critic on these ranks,
+--num-critic-only-steps); the pure helpers in `train_data` and `train_weights`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from slime.heap import trim_heap
 from slime.net import find_free_port
 from slime.ray.ci_checks import check_ci, check_grad_norms, save_grad_norms
 from slime.ray.train_checkpoints import CheckpointIO
+from slime.ray.train_critic import Critic
 from slime.ray.train_data import (
     STAGE,
     can_reuse_log_probs,
@@ -88,7 +90,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
+class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync, Critic):
     """A Megatron rank: `init`, `train`, `save`, `offload`/`onload`, `update_weights`.
 
     Construct with the config as a JSON dict (`Config.model_dump(mode="json")`), this rank and the
@@ -108,6 +110,12 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
         self.ref_models: list[Any] | None = None
         self.teacher_models: list[Any] | None = None  # --use-opd --opd-type megatron: the frozen teacher
         self.loaded_extra_state: dict[str, Any] = {}
+        self.resumed_from: str | None = None  # the checkpoint `init` resumed training from, if any
+        self.resume_partial: dict[str, bool] = {}  # its --no-load-optim / --no-load-rng (load_checkpoint's flags)
+        # --- PPO (advantage_estimator ppo): the critic on these ranks, with its own optimizer (train_critic.py)
+        self.critic_models: list[Any] | None = None
+        self.critic_optimizer: Any = None
+        self.critic_scheduler: Any = None
         self.offloaded = False
         self.parking: Any = None  # slime.offload.HostParking: the optimizer state's pinned twins (colocated offload)
         self.syncer: Any = None  # slime.sync.WeightSyncer, made by the first update_weights (rank 0)
@@ -154,9 +162,6 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
             self.config, self.node_staging = stage_on_node(self.config, self.remote_fields)
         c = self.config
         c.require("checkpoint.hf_checkpoint", stage=STAGE)
-        if c.algorithm.advantage_estimator == "ppo":
-            raise ConfigError("algorithm.advantage_estimator 'ppo' needs a critic, which the Ray train group does "
-                              "not run yet; use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
         if c.algorithm.loss_type != "policy_loss":
             raise ConfigError(f"algorithm.loss_type {c.algorithm.loss_type!r}: the RL train actor trains "
                               "policy_loss only")
@@ -188,7 +193,11 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
         self.optimizer, self.scheduler = build_optimizer_and_scheduler(self.models, c, total_train_steps(c))
         if self.lora_spec is not None:
             return self._load_lora_weights()
+        if c.algorithm.advantage_estimator == "ppo":  # slime's use_critic
+            self._build_critic()
         start = self._load_weights()
+        if self.critic_models is not None:
+            self._load_critic(self.resumed_from, self.resume_partial)
         if c.algorithm.use_kl_loss or c.algorithm.kl_coef:
             self.ref_models = build_model(self.bridge)
             self._load_reference()
@@ -245,16 +254,21 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
             logger.info("rank %d rollout %d: old log-probs %s", self.rank, rollout_id,
                         "not recomputed: one optimizer step per rollout, the loss uses its own log-probs, detached "
                         "(slime's can_reuse_log_probs_in_loss)" if reuse else "recomputed before training")
-        arrays, stats = self._arrays(rollout_id, mine, reuse)
-        t2 = time.monotonic()
         settings = StepSettings.from_config(c)
-        settings.reuse_log_probs = reuse
         if c.train.balance_by_flops:  # slime: micro-batches of even estimated FLOPs
             settings.workload = self._flops
+        values, critic_metrics = None, {}
+        if self.critic_models is not None:  # PPO: the critic's values, then its value-loss steps (train_critic.py)
+            values, critic_metrics = self.critic_step(rollout_id, shares, settings)
+        # slime's --num-critic-only-steps: the first rollouts train the critic alone; the weight sync still runs
+        actor_trains = self.critic_models is None or rollout_id >= c.algorithm.num_critic_only_steps
+        arrays, stats = self._arrays(rollout_id, mine, reuse, values) if actor_trains else (None, {})
+        t2 = time.monotonic()
+        settings.reuse_log_probs = reuse
         rows, start = [], 0
         vocab = self.bridge.hf_config.vocab_size
         pad = self.tokenizer.pad_token_id or 0
-        for step_id, share in self.profiler.iterate("train_actor", enumerate(shares)):
+        for step_id, share in self.profiler.iterate("train_actor", enumerate(shares if actor_trains else [])):
             part = slice_arrays(arrays, start, start + len(share))
             start += len(share)
             if self.hooks.before_train_step is not None:
@@ -267,13 +281,13 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
             rows.append(train_step(self.models, self.optimizer, share, settings, vocab_size=vocab,
                                    pad_token_id=pad, arrays=part))
             self.scheduler.step(1)
-        if c.train.reset_optimizer_states:
+        if c.train.reset_optimizer_states and actor_trains:
             from slime.backends.megatron.optimizer import reset_optimizer_states
 
             reset_optimizer_states(self.optimizer)
         t3 = time.monotonic()
         self.profiler.step(rollout_id)
-        if reuse:  # one step: its forward's log-probs are the old policy's
+        if reuse and actor_trains:  # one step: its forward's log-probs are the old policy's
             stats.update(reused_log_prob_stats(rows[0], with_kl=arrays.ref_log_probs is not None,
                                                with_entropy=c.algorithm.use_rollout_entropy))
         metrics = {f"train/{k}": v for k, v in mean_metrics(rows).items()}
@@ -283,7 +297,11 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync):
             metrics["train/ref_updated"] = 1.0
             logger.info("rank %d rollout %d: reference model updated from the actor", self.rank, rollout_id)
         metrics.update(stats)
-        self._ci_checks(rollout_id, rows, metrics)
+        metrics.update(critic_metrics)
+        if actor_trains:
+            self._ci_checks(rollout_id, rows, metrics)
+        if self.critic_models is not None:
+            metrics["train/actor_skipped"] = float(not actor_trains)
         if self.lora_spec is not None:
             from slime.backends.megatron.lora import count_parameters
 

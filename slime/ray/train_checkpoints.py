@@ -83,6 +83,7 @@ class CheckpointIO:
                                   "own --save directory and pass the other checkpoint as --load or --ref-load")
             state = load_checkpoint(self.models, resume, self.optimizer, self.scheduler, **partial)
             self.loaded_extra_state = state.extra_state
+            self.resumed_from, self.resume_partial = resume, partial  # the PPO critic resumes beside it
             logger.info("rank %d: resumed from %s, next rollout %d", self.rank, resume, state.iteration + 1)
             return state.iteration + 1
         if ck.ref_load:
@@ -149,7 +150,8 @@ class CheckpointIO:
         """Checkpoint iteration `rollout_id` under `save` (collective); its path (with node staging: its URL in
         the store, where every node uploaded its files). With --async-save the state is copied to host memory
         and written in the background: committed by a later `train` once every rank is done, or before this
-        returns when `wait` (the run's last save, --release-train)."""
+        returns when `wait` (the run's last save, --release-train). With the PPO critic, its checkpoint is saved
+        first, under `{save}/critic` (train_critic.py)."""
         from slime.backends.megatron.bridge import checkpoint_metadata
         from slime.backends.megatron.checkpoint import iteration_dir, save_checkpoint
 
@@ -161,9 +163,12 @@ class CheckpointIO:
             from slime.backends.megatron.async_save import AsyncSaver
 
             self.saver = AsyncSaver()
+        metadata = {**checkpoint_metadata(self.bridge, ck.hf_checkpoint), "stage": STAGE}
+        if self.critic_models is not None:  # first: a committed actor checkpoint always has its critic
+            self._save_critic(rollout_id, full, remote, metadata)
         save_checkpoint(self.models, ck.save, rollout_id, optimizer=self.optimizer if full else None,
                         scheduler=self.scheduler if full else None, extra_state=extra_state or {},
-                        metadata={**checkpoint_metadata(self.bridge, ck.hf_checkpoint), "stage": STAGE},
+                        metadata=metadata,
                         config_hash=self.config.section_hash("train", "algorithm", "checkpoint", "megatron"),
                         fully_reshardable=ck.dist_ckpt_optim_fully_reshardable, remote=remote,
                         storage_options=self.config.run.storage_options, keep=ck.keep_checkpoints,

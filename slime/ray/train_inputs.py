@@ -58,9 +58,11 @@ class TrainInputs:
                                       disable_grpo_std_normalization=c.algorithm.disable_grpo_std_normalization)
         return raw.tolist(), normalize_group_rewards(raw, n, **how._asdict()).tolist()
 
-    def _arrays(self, rollout_id: int, mine: list[Any], reuse: bool = False) -> tuple[Any, dict[str, float]]:
+    def _arrays(self, rollout_id: int, mine: list[Any], reuse: bool = False,
+                values: list[Any] | None = None) -> tuple[Any, dict[str, float]]:
         """TrainArrays of this rank's samples (old/ref log-probs, advantages) and rollout-side metrics; with
-        `reuse` (`can_reuse_log_probs`) no old log-probs, and the metrics that read them come from the step."""
+        `reuse` (`can_reuse_log_probs`) no old log-probs, and the metrics that read them come from the step;
+        `values`: the PPO critic's per-sample values, which the ppo estimator's GAE reads."""
         import torch
 
         from slime.algorithms.advantages import compute_advantages
@@ -142,6 +144,8 @@ class TrainInputs:
             hooks.rollout_data_postprocess else {}
         if data and entropies is not None:
             data["entropy"] = entropies
+        if data and values is not None:  # slime's rollout_data["values"]: the critic's, for the hooks
+            data["values"] = values
         if data and teacher is not None:
             data["teacher_log_probs"] = teacher
         if hooks.advantage is not None:  # slime: replaces the estimator; sets advantages and returns
@@ -149,7 +153,8 @@ class TrainInputs:
             per_sample = [torch.as_tensor(v, dtype=torch.float32) for v in data["advantages"]]
         else:
             advantages, returns = compute_advantages(a.advantage_estimator, rewards, mask, kl=kl, kl_coef=a.kl_coef,
-                                                     gamma=a.gamma, lambd=a.lambd)
+                                                     gamma=a.gamma, lambd=a.lambd,
+                                                     values=None if values is None else stack_rows(mine, values)[0])
             per_sample = split_rows(advantages, mine)
             if data:
                 data["returns"] = None if returns is None else split_rows(returns, mine)

@@ -17,13 +17,14 @@ class GpuMemory:
         copies into fresh pageable memory, 3 s for a 0.5B model's Adam state on an H100), and to the same
         twins what lives outside those: the frozen parameters (a LoRA base, freeze lists), the trainable ones
         where the DDP buffers hold no copy of them (without the distributed optimizer, megatron's buffers keep
-        only the gradients) and the KL reference model. A no-op on CPU."""
+        only the gradients) and the KL reference model; the PPO critic's buffers, parameters and optimizer state
+        the same way. A no-op on CPU."""
         import torch
 
         if not torch.cuda.is_available() or self.offloaded:
             return {"offloaded": self.offloaded, "device": "cpu" if not torch.cuda.is_available() else "cuda"}
         t0 = time.monotonic()
-        for model in self.models:
+        for model in [*self.models, *(self.critic_models or [])]:
             for buffer in [*model.buffers, *model.expert_parallel_buffers]:
                 buffer.offload_to_cpu(move_params=True, move_grads=True)
         if self.parking is None:
@@ -45,7 +46,7 @@ class GpuMemory:
         if not self.offloaded:
             return {"offloaded": False}
         t0 = time.monotonic()
-        for model in self.models:
+        for model in [*self.models, *(self.critic_models or [])]:
             for buffer in [*model.buffers, *model.expert_parallel_buffers]:
                 buffer.reload_from_cpu(move_params=True, move_grads=True)
         self.parking.unpark()
@@ -57,13 +58,15 @@ class GpuMemory:
     def frozen_slots(self) -> Any:
         """What `offload` moves besides the DDP buffers and the optimizer: each policy chunk's frozen
         parameters, its trainable ones where the DDP buffers do not hold them (without the distributed
-        optimizer: `offload.unbuffered_parameter_slots`), and every tensor of the reference and OPD teacher
+        optimizer: `offload.unbuffered_parameter_slots`; the PPO critic's, which never uses it), and every tensor of the reference and OPD teacher
         models (no DDP, never trained)."""
         from slime.offload import frozen_parameter_slots, module_slots, unbuffered_parameter_slots
 
         for k, model in enumerate(self.models):
             yield from frozen_parameter_slots(model, prefix=f"frozen{k}.")
             yield from unbuffered_parameter_slots(model, prefix=f"policy{k}.")
+        for k, model in enumerate(self.critic_models or []):  # built without the distributed optimizer: all here
+            yield from unbuffered_parameter_slots(model, prefix=f"critic{k}.")
         for k, model in enumerate(self.ref_models or []):
             yield from module_slots(model, prefix=f"ref{k}.")
         for k, model in enumerate(self.teacher_models or []):
@@ -75,3 +78,6 @@ class GpuMemory:
 
         for k, inner in enumerate(torch_optimizers(self.optimizer)):
             yield from optimizer_slots(inner, prefix=k)
+        if self.critic_optimizer is not None:
+            for k, inner in enumerate(torch_optimizers(self.critic_optimizer)):
+                yield from optimizer_slots(inner, prefix=("critic", k))

@@ -54,6 +54,7 @@ from slime.backends.megatron.dist_checkpoint import (
 from slime.backends.megatron.optimizer import (
     init_optimizer_state,
     is_distributed_optimizer,
+    restore_zero_steps,
     untie_adam_steps,
 )
 from slime.backends.megatron.rng_state import capture_rng_state, restore_rng_state
@@ -370,7 +371,9 @@ def load_checkpoint(models: list[torch.nn.Module], path: str, optimizer: Any, sc
         init_optimizer_state(optimizer)  # fix 1: megatron's load path builds a state dict of the current state
         state = optimizer.sharded_state_dict(_model_state(model), is_loading=True,
                                              metadata=_sharding_metadata(meta.get("optimizer_sharding")))
-        optimizer.load_state_dict(dist_checkpointing.load(state, os.path.join(path, "optimizer")))
+        loaded = dist_checkpointing.load(state, os.path.join(path, "optimizer"))
+        restore_zero_steps(loaded)  # fix 4: saved before its first step
+        optimizer.load_state_dict(loaded)
         init_optimizer_state(optimizer)  # a state saved before the first step has no `step` (megatron drops a 0)
         untie_adam_steps(optimizer)  # fix 3
         if scheduler is not None and training.get("scheduler") is not None:

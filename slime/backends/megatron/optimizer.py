@@ -6,8 +6,8 @@ The scheduler counts optimizer steps (call `scheduler.step(1)` after each `train
 loop counts samples, which is the same schedule at a fixed global batch size.
 
 megatron-core 0.16.1's DistributedOptimizer cannot round-trip a torch_dist checkpoint without Apex or
-Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, measured in
-../shared/research/megatron.md, live here:
+Transformer Engine (neither is installed here, on CPU or GPU). Fixes 1-3 measured in
+../shared/research/megatron.md; all four live here:
 
 1. a fresh torch Adam has no state, and `DistributedOptimizer.state_dict()` asserts on its `step`:
    `init_optimizer_state` fills empty Adam state (zeros, step 0: what Adam's first step would create)
@@ -17,7 +17,10 @@ Transformer Engine (neither is installed here, on CPU or GPU). Three fixes, meas
    would overwrite the step just restored from the param groups: replaced on each DistributedOptimizer
    instance (`build_optimizer`) by a setter that never touches `step`;
 3. after loading, megatron gives every parameter one shared `step` tensor, which torch Adam then
-   increments once per parameter (wrong bias correction): `untie_adam_steps` gives each its own copy.
+   increments once per parameter (wrong bias correction): `untie_adam_steps` gives each its own copy;
+4. megatron saves that shared step (`common_step`) only when it is non-zero (`if step:`), so an optimizer
+   saved before its first step (a PPO actor during --num-critic-only-steps) loads with moments and no
+   `step`, which torch Adam's `load_state_dict` refuses (KeyError): `restore_zero_steps` puts step 0 back.
 
 Without Apex or Transformer Engine, megatron's gradient clipping falls back to a per-tensor loop: one norm
 and one `.item()` (a GPU->host synchronisation) per gradient, and a multiply and a copy per gradient when
@@ -304,6 +307,25 @@ def untie_adam_steps(optimizer: Any) -> None:
         for state in inner.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].detach().clone()  # same device: the load hook placed it
+
+
+def restore_zero_steps(loaded: Any) -> None:
+    """Fix 4: in an optimizer state dict loaded from a checkpoint (nested as megatron's optimizers nest it), a
+    `state` of Adam moments without any step gets megatron's `common_step` 0, which its `load_state_dict` hands
+    to every parameter (the step an optimizer has before its first step)."""
+    if isinstance(loaded, list):
+        for item in loaded:
+            restore_zero_steps(item)
+        return
+    if not isinstance(loaded, dict):
+        return
+    state = loaded.get("state")
+    if isinstance(state, dict) and "common_step" not in state and any(
+            isinstance(v, dict) and "exp_avg" in v and "step" not in v for v in state.values()):
+        state["common_step"] = torch.tensor(0.0)
+    for value in loaded.values():
+        if isinstance(value, dict | list):
+            restore_zero_steps(value)
 
 
 def _set_main_param_and_states(self: Any, model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
