@@ -9,7 +9,8 @@ in a fresh store and PREFECT_HOME under one directory, from `slime convert` plus
   actors `ray::TrainActor`, `ray::RolloutManager`; the engine; the reward grader; raylet, gcs_server, Ray's
   agents, the Prefect API server, the router reported beside them), sampled every `--interval` s and mapped
   to the iteration in progress through metrics.jsonl's per-record `time` (written as an iteration ends).
-  Median per role (its processes summed at each sample) and per process over the early window (iterations
+  Median, 10% quantile (the trough between calls: what a process keeps) and 90% quantile (the crest inside
+  calls) per role (its processes summed at each sample) and per process over the early window (iterations
   N/10 to N/5: 50-100 of 500; iterations before N/10 are warm-up) and the late window (the last N/10);
 - Prefect's cost per iteration (`prefect_s` of the flow result's rows: the metrics-table rows of tasks/rl.py's
   `drive`, the iteration's wall time minus the loop's own steps), medians of iterations N/50 to N/50 + N/10
@@ -308,6 +309,16 @@ def stop(flow: subprocess.Popen, seen: dict[int, float]) -> None:
 
 # --------------------------------------------------------------------------- summary
 
+def quantile(values: list[float], q: float) -> float | None:
+    """The `q` quantile of `values` (None when empty). A process that allocates per call swings between a
+    trough (what it keeps between calls) and a peak (inside a call); the 10% and 90% quantiles follow those two,
+    where the median follows the share of samples that fell inside calls, which changes with the calls' length."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
@@ -333,9 +344,13 @@ def summarize(n: int, sampler: Sampler, records: list[dict[str, Any]], rows: lis
             if name := window_of(t):
                 split[name].append(value)
         early, late = median(split["early"]), median(split["late"])
+        lows = [quantile(split[w], 0.1) for w in ("early", "late")]
+        highs = [quantile(split[w], 0.9) for w in ("early", "late")]
         return {"samples": len(series), "samples_early": len(split["early"]), "samples_late": len(split["late"]),
                 "warmup_mb": mb(median(split["warmup"])), "early_mb": mb(early), "late_mb": mb(late),
-                "peak_mb": mb(max(v for _, v in series)), "ratio": ratio(late, early)}
+                "peak_mb": mb(max(v for _, v in series)), "ratio": ratio(late, early),
+                "early_low_mb": mb(lows[0]), "late_low_mb": mb(lows[1]), "low_ratio": ratio(lows[1], lows[0]),
+                "early_high_mb": mb(highs[0]), "late_high_mb": mb(highs[1]), "high_ratio": ratio(highs[1], highs[0])}
 
     # per role, the RSS of its processes summed at each sample: a pool (the graders) may replace a child
     by_pid: dict[int, list[tuple[float, int]]] = {}
@@ -396,15 +411,17 @@ def mb(value: float | None) -> float | None:
 def table(summary: dict[str, Any]) -> str:
     """The figures as plain text."""
     w = summary["windows"]
-    lines = [f"RSS MB, median: warm-up {w['rss']['warmup']}, early {w['rss']['early']}, late {w['rss']['late']} "
+    lines = [f"RSS MB, median (trough x, crest x: late/early of the 10% and 90% quantiles): warm-up {w['rss']['warmup']}, early {w['rss']['early']}, late {w['rss']['late']} "
              "(iterations [start, end)); a role's processes summed",
-             f"  {'role':<34} {'checked':>7} {'warm-up':>8} {'early':>8} {'late':>8} {'late/early':>10} {'peak':>8}"]
+             f"  {'role':<34} {'checked':>7} {'warm-up':>8} {'early':>8} {'late':>8} {'late/early':>10} {'peak':>8} "
+             f"{'trough x':>8} {'crest x':>8}"]
     for name, p in sorted(summary["rss"].items(), key=lambda kv: (not kv[1]["checked"], kv[0])):
         if p["early_mb"] is None and p["late_mb"] is None:
             continue  # transient (save writers, Ray's worker start-up)
         label = name if len(p["pids"]) == 1 else f"{name} ({len(p['pids'])} processes)"
         lines.append(f"  {label:<34} {'yes' if p['checked'] else '':>7} {p['warmup_mb'] or '':>8} "
-                     f"{p['early_mb'] or '':>8} {p['late_mb'] or '':>8} {p['ratio'] or '':>10} {p['peak_mb']:>8}")
+                     f"{p['early_mb'] or '':>8} {p['late_mb'] or '':>8} {p['ratio'] or '':>10} {p['peak_mb']:>8} "
+                     f"{p['low_ratio'] or '':>8} {p['high_ratio'] or '':>8}")
     ps = summary["prefect_s"]
     lines.append(f"prefect_s median: iterations {w['prefect']['early']} {ps['early_median']}, {w['prefect']['late']} "
                  f"{ps['late_median']} (late/early {ps['ratio']}; max {ps['max']}, {ps['over_1s']} over 1 s); "

@@ -41,7 +41,7 @@ from typing import Any
 from slime.backends.megatron.hooks import load_megatron_hooks
 from slime.config import Config
 from slime.errors import ConfigError, DataFormatError
-from slime.heap import trim_heap
+from slime.heap import pin_mmap_threshold, trim_heap
 from slime.net import find_free_port
 from slime.ray.ci_checks import check_ci, check_grad_norms, save_grad_norms
 from slime.ray.train_checkpoints import CheckpointIO
@@ -100,6 +100,7 @@ class TrainActor(CheckpointIO, TrainInputs, GpuMemory, WeightSync, Critic):
     def __init__(self, config: dict[str, Any], rank: int, world_size: int,
                  remote_fields: dict[str, str] | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        pin_mmap_threshold()  # before the first large allocation: the heap stays flat over thousands of calls
         self.config = Config.model_validate(config)
         self.rank, self.world_size = rank, world_size
         # train ranks on other nodes than the driver, a remote store: the remote URLs of the checkpoint fields,
