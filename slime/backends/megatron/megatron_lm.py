@@ -477,7 +477,9 @@ def save_megatron_lm_checkpoint(models: list[torch.nn.Module], root: str, iterat
         raise ConfigError("a LoRA model has no Megatron-LM layout here: export merged HF weights, or keep this "
                           "project's checkpoint")
     path = os.path.join(root, f"iter_{iteration:07d}")
-    if os.path.exists(path):
+    exists = os.path.exists(path)
+    _barrier()  # every rank has looked before rank 0 creates it below (a rank that looked later saw rank 0's)
+    if exists:
         raise ConfigError(f"{path} already exists; choose another --output-dir")
     if optimizer is not None and scheduler_state is None:
         raise ConfigError("a Megatron-LM checkpoint with optimizer state needs the LR schedule too "
