@@ -1,4 +1,4 @@
-"""The tiny model kit: a byte-level tokenizer, a tiny random Qwen2 checkpoint and arithmetic data.
+"""The tiny model kit: a byte-level tokenizer, a tiny random Qwen2 (or Qwen3-MoE) and arithmetic data.
 
 Every test and `make run` need a model, a tokenizer and a task whose answers can be checked, and they
 must work on a CPU with no network. `make_tiny_kit` builds all of that locally and deterministically from
@@ -87,8 +87,24 @@ class _Strict(BaseModel):
 Digits = Annotated[int, Field(ge=1, le=15)]
 
 
+class MoeRecipe(_Strict):
+    """The sparse MLP that makes the checkpoint a Qwen3-MoE: in every layer `num_experts` SwiGLU experts of
+    width `moe_intermediate_size`, each token routed to the top `num_experts_per_tok` (their weights
+    renormalised, `norm_topk_prob`, as Qwen3-30B-A3B ships)."""
+
+    num_experts: int = Field(8, gt=1)
+    num_experts_per_tok: int = Field(2, gt=0)
+    moe_intermediate_size: int = Field(256, gt=0)
+
+    @model_validator(mode="after")
+    def _topk_fits(self) -> MoeRecipe:
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError("num_experts_per_tok must not exceed num_experts")
+        return self
+
+
 class ModelRecipe(_Strict):
-    """Shape of the random Qwen2 checkpoint."""
+    """Shape of the random checkpoint: a Qwen2, or a Qwen3-MoE when `moe` is set."""
 
     hidden_size: int = Field(256, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
@@ -100,6 +116,9 @@ class ModelRecipe(_Strict):
     rms_norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = True
     vocab_multiple: int = Field(128, gt=0)  # Megatron pads the vocab to a multiple of 128
+    # None: a dense Qwen2. Set: a Qwen3-MoE (qk-norm attention, head_dim hidden_size / num_attention_heads,
+    # every MLP sparse; `intermediate_size` is then only the config's width for dense layers, of which it has none).
+    moe: MoeRecipe | None = None
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelRecipe:
@@ -137,10 +156,13 @@ class TinyKitRecipe(_Strict):
     pretrain: PretrainRecipe | None = None
 
     def manifest_json(self) -> dict[str, Any]:
-        """The recipe as kit.json records it (no `pretrain` key when there is none, as kits built before it)."""
+        """The recipe as kit.json records it (no `pretrain` or `model.moe` key when there is none, as kits built
+        before those fields existed)."""
         dump = self.model_dump(mode="json")
         if dump["pretrain"] is None:
             del dump["pretrain"]
+        if dump["model"]["moe"] is None:
+            del dump["model"]["moe"]
         return dump
 
 
@@ -318,15 +340,12 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 # --- model ------------------------------------------------------------------------------------------
 
 
-def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTokenizerFast) -> int:
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _model_config(m: ModelRecipe, vocab_size: int, ids: dict[str, int]) -> Any:
+    """The HF config of the recipe's model: `Qwen2Config`, or `Qwen3MoeConfig` when `m.moe` is set."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    m = recipe.model
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}  # Qwen2 uses <|endoftext|> as bos
-    config = Qwen2Config(
-        vocab_size=padded_vocab_size(len(tokenizer), m.vocab_multiple),
+    common = dict(
+        vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         num_hidden_layers=m.num_hidden_layers,
         num_attention_heads=m.num_attention_heads,
@@ -336,17 +355,40 @@ def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTok
         rms_norm_eps=m.rms_norm_eps,
         tie_word_embeddings=m.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        use_sliding_window=False,
         dtype="float32",
         **ids,
     )
+    if m.moe is None:
+        return Qwen2Config(use_sliding_window=False, **common)
+    # Qwen3MoeConfig's head_dim defaults to 128 whatever the hidden size; every layer sparse (decoder_sparse_step 1,
+    # no mlp_only_layers), as the published Qwen3-MoE checkpoints and mbridge's bridge have them
+    return Qwen3MoeConfig(
+        head_dim=m.hidden_size // m.num_attention_heads,
+        num_experts=m.moe.num_experts,
+        num_experts_per_tok=m.moe.num_experts_per_tok,
+        moe_intermediate_size=m.moe.moe_intermediate_size,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **common,
+    )
+
+
+def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTokenizerFast) -> int:
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+
+    m = recipe.model
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}  # Qwen2 uses <|endoftext|> as bos
+    config = _model_config(m, padded_vocab_size(len(tokenizer), m.vocab_multiple), ids)
     old_dtype = torch.get_default_dtype()
     # Seed the init without disturbing the caller's RNG state or default dtype.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         torch.set_default_dtype(torch.float32)
         try:
-            model = Qwen2ForCausalLM(config)
+            model = (Qwen2ForCausalLM if m.moe is None else Qwen3MoeForCausalLM)(config)
         finally:
             torch.set_default_dtype(old_dtype)
     if recipe.pretrain is not None:

@@ -369,6 +369,33 @@ def test_the_default_kit_is_two_digit_addition_on_a_4m_model(tmp_path: Path) -> 
     assert not {r["prompt"] for r in rows["eval"]} & {r["prompt"] for r in rows["train"]}
 
 
+def test_the_moe_kit_is_the_tiny_kits_data_with_a_qwen3_moe(tmp_path: Path) -> None:
+    """datasets/tiny-moe/recipe.yaml: the tiny kit's data files, a seeded random Qwen3-MoE of the recipe's shape
+    (every layer sparse, top-k renormalised, experts one tensor each as the published checkpoints hold them)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    recipe = load_recipe(tiny.default_recipe_path().parents[1] / "tiny-moe" / "recipe.yaml")
+    assert recipe.data == load_recipe().data and recipe.seed == load_recipe().seed
+    assert recipe.model.model_copy(update={"moe": None}) == load_recipe().model
+    moe = make_tiny_kit(tmp_path / "moe", recipe)
+    dense = make_tiny_kit(tmp_path / "dense")
+    for split in ("train", "eval", "sft"):
+        assert getattr(moe, split).read_bytes() == getattr(dense, split).read_bytes()
+    config = AutoConfig.from_pretrained(moe.model_dir)
+    assert config.model_type == "qwen3_moe" and config.norm_topk_prob and config.mlp_only_layers == []
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 512)
+    assert config.head_dim == 32 and config.tie_word_embeddings and config.vocab_size == 384
+    weights = load_file(moe.model_dir / "model.safetensors")
+    assert weights["model.layers.3.mlp.experts.7.down_proj.weight"].shape == (256, 512)
+    assert weights["model.layers.0.mlp.gate.weight"].shape == (8, 256)
+    manifest = _manifest(moe)
+    assert manifest["recipe"]["model"]["moe"] == {"num_experts": 8, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 512}
+    assert "moe" not in _manifest(dense)["recipe"]["model"]  # dense kits' kit.json as before the field
+    assert make_tiny_kit(tmp_path / "again", recipe).manifest.read_bytes() == moe.manifest.read_bytes()
+
+
 def test_default_recipe_file_matches_model_defaults() -> None:
     # Every field is spelled out in the YAML; they must agree with the code's defaults.
     raw = load_recipe()
@@ -383,6 +410,8 @@ def test_default_recipe_file_matches_model_defaults() -> None:
         ("data:\n  ops: ['/']\n", "data.ops.0"),
         ("data:\n  num_trian: 10\n", "data.num_trian"),
         ("model:\n  num_attention_heads: 3\n", "model"),
+        ("model:\n  moe:\n    num_experts: 2\n    num_experts_per_tok: 3\n", "model.moe"),
+        ("model:\n  moe:\n    num_expert: 8\n", "model.moe.num_expert"),
     ],
 )
 def test_bad_recipe_field(tmp_path: Path, yaml_text: str, field: str) -> None:

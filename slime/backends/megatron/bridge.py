@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import importlib.util
+import inspect
 import logging
 import re
 import types
@@ -406,9 +407,21 @@ def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = Fa
     dtype = bridge.dtype
     ddp_config = ({"grad_reduce_in_fp32": True, "use_distributed_optimizer": use_distributed_optimizer}
                   if wrap_with_ddp else None)
-    models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                              use_cpu_initialization=not torch.cuda.is_available(), ddp_config=ddp_config,
-                              post_model_creation_callbacks=[post_create] if post_create else [])
+    # Every model of a bridge shares its TransformerConfig, and the optimizer of the first one sets callbacks on it
+    # (`grad_scale_func`: the optimizer's bound `scale_loss`, which holds process groups). megatron's MoE
+    # `SequentialMLP` deep-copies the config, which cannot copy those: a second model of the bridge (the RL
+    # reference, the OPD teacher) is built with the bound methods set aside, then they are put back.
+    config = bridge.config
+    held = {f.name: value for f in dataclasses.fields(config) if inspect.ismethod(value := getattr(config, f.name))}
+    for name in held:
+        setattr(config, name, None)
+    try:
+        models = bridge.get_model(wrap_with_ddp=wrap_with_ddp, bf16=dtype is torch.bfloat16,
+                                  fp16=dtype is torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
+                                  ddp_config=ddp_config, post_model_creation_callbacks=[post_create] if post_create else [])
+    finally:
+        for name, value in held.items():
+            setattr(config, name, value)
     if not wrap_with_ddp:  # no DDP, no main_grad to accumulate into: weight gradients the unfused way
         for model in models:
             for module in model.modules():

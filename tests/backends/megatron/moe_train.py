@@ -41,7 +41,8 @@ def options(hf_dir: str) -> dict:
 
 
 def steps(hf_dir: str) -> dict:
-    """Five Adam steps of SFT on one batch: the loss falls, and every expert of the last layer moves."""
+    """Five Adam steps of SFT on one batch: the loss falls, and every expert of the last layer moves; then a
+    reference model of the same bridge, built after the optimizer, holds the HF weights."""
     bridge = make_bridge(hf_dir)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True)
     optimizer = build_optimizer(models, lr=1e-2, clip_grad=1.0)
@@ -52,7 +53,10 @@ def steps(hf_dir: str) -> dict:
     losses = [train_step(models, optimizer, samples, SFT, vocab_size=vocab)["loss"] for _ in range(5)]
     moved = [(e.linear_fc1.weight - b).abs().max().item() for e, b in zip(layer.experts.local_experts, before,
                                                                           strict=True)]
-    return {"case": "steps", "losses": losses, "expert_moved": moved}
+    # a second model of the same bridge once the optimizer exists, as the RL train actor builds its reference
+    reference = unwrap_model(build_model(bridge, hf_dir)[0]).decoder.layers[-1].mlp.experts.local_experts
+    reference_is_hf = all(e.linear_fc1.weight.equal(b) for e, b in zip(reference, before, strict=True))
+    return {"case": "steps", "losses": losses, "expert_moved": moved, "reference_is_hf": reference_is_hf}
 
 
 def grads(hf_dir: str) -> dict:
