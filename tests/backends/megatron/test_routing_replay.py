@@ -139,6 +139,7 @@ def test_train_rank_replays_the_rollout_routing(moe_dir, tmp_path):
     assert row["refused"].startswith("sample index=4: use_rollout_routing_replay replays")
 
 
+@pytest.mark.slow  # two rank processes, 23-73 s (passed 2026-11-28); EP parity without replay stays in test_moe.py
 def test_expert_parallel_replay_equals_all_experts_on_each_rank(moe_dir):
     ranks = run_ranks(EP_SCRIPT, 2, [str(moe_dir)], timeout=300)
     one, two = ([rows[i] for rows in ranks] for i in (0, 1))
