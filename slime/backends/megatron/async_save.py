@@ -16,10 +16,12 @@ steps apart rarely find one still writing).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,14 +57,31 @@ class AsyncSaver:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self._queue = AsyncCallsQueue(persistent=False)
-        # megatron's writers report through a queue of a spawned manager process, started by the first save
-        # (3.2 s on the H100 host); start it now, while the ranks set up, not in the first save's stall
-        getattr(filesystem_async, "_get_write_results_queue", lambda: None)()
+        # megatron's writers report through a queue of a spawned manager process (3.2 s to start on the H100
+        # host): started now, while the ranks set up, not in the first save's stall. Megatron keeps one queue per
+        # process, and a finalize takes whichever result comes first; a save here writes two requests at once
+        # (model, optimizer), which could each record the other's files in their metadata (a checkpoint that
+        # did not load, seen under load: KeyError for a model tensor). So each request gets its own queue
+        # (`own_results_queue`), from this saver's manager.
+        self._filesystem_async = filesystem_async
+        self._manager = multiprocessing.get_context("spawn").Manager()
         self._writing: list[_Pending] = []
         self._written: set[int] = set()  # megatron call indices finalized (a save's requests may finish apart)
         self._committing: list[_Pending] = []
         self.committed: list[str] = []  # paths, oldest first (rank 0's are the committed ones)
         self._since_wait = False  # a save scheduled since the last wait: the same on every rank
+
+    @contextlib.contextmanager
+    def own_results_queue(self) -> Iterator[None]:
+        """Around one `dist_checkpointing.save(..., async_sharded_save=True)`: its writers report to a queue of
+        their own (megatron's writer asks `_get_write_results_queue` for it while planning the save)."""
+        queue = self._manager.Queue()
+        original = self._filesystem_async._get_write_results_queue
+        self._filesystem_async._get_write_results_queue = lambda: queue
+        try:
+            yield
+        finally:
+            self._filesystem_async._get_write_results_queue = original
 
     @property
     def in_flight(self) -> int:
@@ -91,6 +110,7 @@ class AsyncSaver:
             self.wait()
         finally:
             self._queue.close()
+            self._manager.shutdown()
 
     def _finalize(self, blocking: bool) -> list[str]:
         if self._writing:

@@ -191,8 +191,11 @@ def save_checkpoint(models: list[torch.nn.Module], save: str, iteration: int, *,
     requests = []
 
     def write(state: dict[str, Any], directory: str) -> None:
-        request = dist_checkpointing.save(state, directory, strategy, async_sharded_save=saver is not None)
-        requests.append(request)
+        if saver is None:
+            requests.append(dist_checkpointing.save(state, directory, strategy))
+            return
+        with saver.own_results_queue():
+            requests.append(dist_checkpointing.save(state, directory, strategy, async_sharded_save=True))
 
     write(_model_state(model), _mkdir(path, "model"))
     sharding = None
