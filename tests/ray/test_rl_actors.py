@@ -231,11 +231,11 @@ def test_two_steps_per_rollout_use_the_old_log_probs(config, placement, trained)
 
 
 def test_a_rank_that_refuses_the_config_fails_the_group_at_once(config, placement):
-    ppo = config.model_copy(deep=True)
-    ppo.algorithm.advantage_estimator = "ppo"
-    group = TrainGroup(ppo, placement)
+    refused = config.model_copy(deep=True)
+    refused.algorithm.loss_type = "sft_loss"  # what every rank refuses at init (the RL ranks train policy_loss)
+    group = TrainGroup(refused, placement)
     try:
-        with pytest.raises(ConfigError, match="'ppo' needs a critic"):
+        with pytest.raises(ConfigError, match="trains policy_loss only"):
             group.init()
     finally:
         group.shutdown()
