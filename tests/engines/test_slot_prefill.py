@@ -162,7 +162,11 @@ def test_engine_generates_the_same_with_and_without_the_slot_prefill(engines, mo
         for hook in hooks:
             hook.remove()
     assert forwards[False] == 0 and forwards[True] >= 2  # the transformers forward ran only with the flag
-    assert (4, 0) in prefills and (2, 4) in prefills  # the late group went into the slots after the first
+    # the late group went into the slots after the first group's running rows: all four of them, unless a
+    # loaded machine let the model thread run past the first group's shortest request (14 tokens) before the
+    # late group arrived (CI saw (2, 3) once); its slot prefill still started above slot 0
+    assert prefills[0] == (4, 0) and len(prefills) == 2, prefills
+    assert prefills[1][0] == 2 and 1 <= prefills[1][1] <= 4, prefills
     for with_it, without in zip(replies[False], replies[True], strict=True):
         assert with_it["output_ids"] == without["output_ids"]
         gaps = [abs(a[0] - b[0]) for a, b in zip(with_it["meta_info"]["output_token_logprobs"],
