@@ -111,7 +111,7 @@ def _partial_rotary_factor(hf: Any, _tf: Any) -> float:
 _NOT_SPEC = ("comes from a slime_plugins layer spec (--spec); models here are built by mbridge from the HF config, "
              "so it is not built here")
 _NO_MLA = ("multi-latent attention (DeepSeek-V3, Kimi-K2, GLM-5) is not built here: the trained families are Qwen2, "
-           "Qwen3, Llama and Qwen3-MoE (docs/megatron.md)")
+           "Qwen3, Llama, Qwen3-MoE and GLM-4.5 (docs/megatron.md)")
 
 LAUNCH: dict[str, LaunchFlag] = {
     # renamed: Megatron-LM's flag name for a megatron-core field (argument_utils.core_transformer_config_from_args)
@@ -131,7 +131,7 @@ LAUNCH: dict[str, LaunchFlag] = {
         "agrees", "turns off Megatron-LM's NaN check of loss and gradients; the train step here runs no such check "
         "(DDP's check_for_nan_in_grad stays False)", switch=True, value=True),
     "no_position_embedding": LaunchFlag(
-        "agrees", "no learned absolute position embedding; the models built here (mbridge's Qwen2/Qwen3/Llama/Qwen3-MoE "
+        "agrees", "no learned absolute position embedding; the models built here (mbridge's Qwen2/Qwen3/Llama/Qwen3-MoE/GLM-4.5 "
         "bridges) use rotary embeddings only", switch=True, value=True),
     # checkpoint: shapes the model, so it must equal what the HF checkpoint gives (bridge.make_bridge)
     "rotary_percent": LaunchFlag(

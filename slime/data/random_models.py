@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 QWEN2_SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 0.5B to 14B (the larger ones: what only LoRA fits on one GPU)
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -126,7 +127,9 @@ def save_random_glm4_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.d
                          **overrides: Any) -> Path:
     """Write a seeded random-weight GLM-4.5-style model of `size` with the tiny kit's tokenizer to `out_dir`.
     Each MoE layer's expert bias (`mlp.gate.e_score_correction_bias`, zeros at init) is drawn from
-    N(0, bias_scale^2), so the bias changes which experts are picked, as a trained GLM-4.5's does."""
+    N(0, bias_scale^2), so the bias changes which experts are picked, as a trained GLM-4.5's does. With
+    `num_nextn_predict_layers=N` in `overrides` the checkpoint also holds N random MTP layers after the decoder's,
+    as GLM-4.5's does (transformers does not build them; `_add_random_mtp_layers`)."""
     from transformers import Glm4MoeForCausalLM
 
     from slime.data.tiny import build_tokenizer
@@ -139,4 +142,25 @@ def save_random_glm4_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.d
                 buffer.copy_(torch.randn(buffer.shape) * bias_scale)
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
+    if model.config.num_nextn_predict_layers:
+        _add_random_mtp_layers(Path(out_dir), model.config, dtype)
     return Path(out_dir)
+
+
+def _add_random_mtp_layers(out_dir: Path, config: Any, dtype: torch.dtype) -> None:
+    """GLM-4.5's MTP layers, which transformers does not build: `model.layers.{num_hidden_layers + i}.*` holding
+    enorm, hnorm, eh_proj, shared_head.norm and a whole MoE decoder layer (random: a copy of the last decoder
+    layer's tensors plus noise), written into the checkpoint as the published ones hold them."""
+    weights = load_file(str(out_dir / "model.safetensors"))
+    last, hidden = config.num_hidden_layers - 1, config.hidden_size
+    for i in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{config.num_hidden_layers + i}."
+        for name, tensor in list(weights.items()):
+            if name.startswith(f"model.layers.{last}."):
+                weights[prefix + name.removeprefix(f"model.layers.{last}.")] = (
+                    tensor + 0.01 * torch.randn(tensor.shape)).to(tensor.dtype)
+        weights[prefix + "enorm.weight"] = torch.ones(hidden, dtype=dtype)
+        weights[prefix + "hnorm.weight"] = torch.ones(hidden, dtype=dtype)
+        weights[prefix + "eh_proj.weight"] = (0.02 * torch.randn(hidden, 2 * hidden)).to(dtype)
+        weights[prefix + "shared_head.norm.weight"] = torch.ones(hidden, dtype=dtype)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -7,6 +7,8 @@
 iteration). The model is rebuilt from the HF config recorded at conversion, the weights are mapped
 back through mbridge with the padded vocabulary rows removed, and the config, generation config and
 tokenizer files are copied from the origin HF directory. The output is committed with a manifest.
+GLM-4.5's MTP layers, which are not trained here, are copied unchanged from the origin HF checkpoint
+(`glm4_moe.carried_mtp_weights`; the manifest lists them as `carried_from_origin`).
 
 A LoRA checkpoint (adapters only, docs/lora.md) is exported on the base it records: merged weights
 (base + scale * B @ A) as a plain HF directory, or with `--merge false` a PEFT adapter directory
@@ -17,6 +19,7 @@ Megatron checkpoint as base is named as such, with a warning in the manifest and
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -53,6 +56,7 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
     """The export on local paths; `remote` names a staged checkpoint by its URL in the manifest."""
     from slime.backends.megatron.bridge import build_model, export_hf_weights, init_megatron, make_bridge
     from slime.backends.megatron.checkpoint import load_model_checkpoint, resolve_checkpoint
+    from slime.backends.megatron.glm4_moe import carried_mtp_weights, mtp_weight_names
     from slime.backends.megatron.hf_export import save_hf_weights
     from slime.backends.megatron.megatron_lm import (
         TRACKER,
@@ -89,13 +93,18 @@ def _export(config: Config, remote: Callable[[str], str] = str) -> dict[str, Any
                             remote)
     models = build_model(bridge)
     load_model_checkpoint(models, path)
-    files = save_hf_weights(export_hf_weights(bridge, models), out)
+    carried = mtp_weight_names(origin, bridge.hf_config)  # GLM-4.5's MTP layers: not trained here, copied
+    weights = itertools.chain(export_hf_weights(bridge, models), carried_mtp_weights(origin, bridge.hf_config))
+    files = save_hf_weights(weights, out)
     for name in _HF_SIDE_FILES:
         if os.path.isfile(os.path.join(origin, name)):
             shutil.copyfile(os.path.join(origin, name), os.path.join(out, name))
+    extra = {"carried_from_origin": carried} if carried else {}
+    if carried:
+        logger.info("%s: %d MTP tensors copied unchanged from %s (not trained here)", out, len(carried), origin)
     commit_directory(out, "hf_model", metadata={"source_checkpoint": remote(path), "iteration": meta.get("iteration"),
-                                                "weights": files, "origin_hf_dir": origin})
-    return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path}
+                                                "weights": files, "origin_hf_dir": origin, **extra})
+    return {"hf_dir": out, "manifest_hash": manifest_hash(out), "source_checkpoint": path, **extra}
 
 
 def _export_megatron_lm(config: Config, bridge: Any, path: str, meta: dict[str, Any], out: str,

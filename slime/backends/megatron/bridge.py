@@ -45,6 +45,13 @@ megatron-core 0.16.1's router GEMM (`moe_utils.RouterGatingLinearFunction`) test
 a name its module defines only when Transformer Engine imports (NameError otherwise): `make_bridge` defines it
 as None, megatron's own "no TE" value, which selects its torch.mm path. With `routing_replay` every router gets
 megatron's `RouterReplay` (`moe_enable_routing_replay`), which routing_replay.py drives (slime's R2/R3).
+
+GLM-4.5 (`glm4_moe`): a dense first layer, shared experts, grouped sigmoid routing with an expert bias, partial
+rotary; glm4_moe.py sets these on megatron-core over mbridge's bridge (which got several wrong), checks what
+megatron-core's router cannot compute as HF's, and says what happens to the expert bias and the MTP layers. mbridge's
+glm4_moe name map knows neither the maps fixed above nor the local spec's norms: the generic one is used instead.
+Options a command line gives for the routing (`ARCHITECTURE_FIELDS`) must mean what the checkpoint's do
+(`_same_option`: slime's `--moe-layer-freq [0]*3+[1]*89` is the per-layer list).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ logger = logging.getLogger(__name__)
 with warnings.catch_warnings():  # megatron warns at import when Transformer Engine / apex are absent
     warnings.simplefilter("ignore")
     from mbridge import AutoBridge
+    from mbridge.core.bridge import Bridge
     from mbridge.core.util import unwrap_model
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -84,6 +92,7 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from slime.backends.megatron import (
         cuda_graphs,
         frozen_linear,
+        glm4_moe,
         host_trims,
         rope_fusion,
         swiglu_kernel,
@@ -93,15 +102,12 @@ with warnings.catch_warnings():  # megatron warns at import when Transformer Eng
     from slime.backends.megatron.lora import has_adapters, is_adapter_name, named_export_tensors
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 # model types mbridge has a bridge for that are not built here yet, and why
 NOT_YET_SUPPORTED = {
     "deepseek_v3": "multi-latent attention (MLA) needs megatron-core's MLA layer spec, which mbridge builds only with "
                    "Transformer Engine, and its MTP layers are not trained here",
-    "glm4_moe": "GLM-4.5's partial rotary embedding (partial_rotary_factor 0.5) is not passed on by mbridge's glm4_moe "
-                "bridge (it would rotate every dimension), and its grouped sigmoid routing with expert bias is not "
-                "checked against the HF model here",
 }
 # a SequentialMLP expert's parameter: layer prefix, local expert id, linear_fc1|linear_fc2
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -220,6 +226,8 @@ def load_hf_config(hf_dir: str) -> Any:
         raise ConfigError(f"{hf_dir}: dense layers among the MoE ones (mlp_only_layers "
                           f"{config.mlp_only_layers}, decoder_sparse_step {config.decoder_sparse_step}) are not supported "
                           "yet: mbridge's qwen3_moe bridge builds every layer as MoE (Qwen3-MoE checkpoints ship none)")
+    if config.model_type == glm4_moe.MODEL_TYPE:
+        glm4_moe.check_hf_config(config, hf_dir)
     return config
 
 
@@ -227,7 +235,20 @@ def load_hf_config(hf_dir: str) -> Any:
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "add_bias_linear",
                        "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
-                       "moe_router_pre_softmax", "moe_shared_expert_intermediate_size")
+                       "moe_router_pre_softmax", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                       "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                       "moe_router_num_groups", "moe_router_group_topk")
+
+
+def _same_option(name: str, given: Any, actual: Any, num_layers: int) -> bool:
+    """Whether a megatron option given on the command line means what the checkpoint's value means."""
+    if name == "moe_layer_freq":
+        return glm4_moe.layer_pattern(given, num_layers) == glm4_moe.layer_pattern(actual, num_layers)
+    if name in ("moe_router_num_groups", "moe_router_group_topk") and actual is None:
+        return given in (None, 1)  # one group of all experts is no grouping
+    if name == "moe_router_topk_scaling_factor":
+        return (given or 1.0) == (actual or 1.0)  # None: no scaling
+    return given == actual
 
 
 def model_options(megatron: dict[str, Any]) -> dict[str, Any]:
@@ -265,12 +286,16 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     if moe and not hasattr(moe_utils, "te_general_gemm"):  # see the module docstring
         moe_utils.te_general_gemm = None
     if moe:  # before the architecture checks below, which compare with the bridge's config
-        bridge.set_extra_args(moe_grouped_gemm=False, moe_router_pre_softmax=not config.norm_topk_prob)
+        routing = (glm4_moe.bridge_args(config) if config.model_type == glm4_moe.MODEL_TYPE
+                   else {"moe_router_pre_softmax": not config.norm_topk_prob})
+        bridge.set_extra_args(moe_grouped_gemm=False, **routing)
     cls = type(bridge)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     bridge._DIRECT_MAPPING = {**cls._DIRECT_MAPPING,
                               "output_layer.weight": "model.embed_tokens.weight" if tied else "lm_head.weight"}
     bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
+    if config.model_type == glm4_moe.MODEL_TYPE:  # mbridge's own knows neither the maps above nor the local norms
+        bridge._weight_name_mapping_mcore_to_hf = types.MethodType(Bridge._weight_name_mapping_mcore_to_hf, bridge)
     if not HAVE_TE:
         bridge._get_transformer_layer_spec = types.MethodType(_local_layer_spec, bridge)  # fix 2
         bridge._OTHER_MAPPING = {**cls._OTHER_MAPPING,  # fix 3
@@ -297,13 +322,15 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     for problem in checkpoint_mismatches(megatron or {}, config, bridge.config):  # --rotary-percent & co.
         raise ConfigError(f"{problem}, in the checkpoint {hf_dir}: the model's shape comes from its HF config; drop "
                           "the flag or fix it")
+    if bridge.config.moe_router_score_function == "sigmoid":  # no effect on sigmoid scores (megatron renormalises
+        options.pop("moe_router_pre_softmax", None)         # the top-k); slime's GLM-4.5 scripts pass it
     for name in sorted(set(options) & set(ARCHITECTURE_FIELDS)):
         given, actual = options.pop(name), getattr(bridge.config, name, None)
-        if given != actual:
+        if not _same_option(name, given, actual, bridge.config.num_layers):
             raise ConfigError(f"megatron.{name}={given!r}, but the checkpoint {hf_dir} gives {actual!r}: the model's "
                               "shape comes from its HF config; drop the flag or fix it")
     if moe:
-        defaults.update(moe_options(options))
+        defaults.update(moe_options(options, "seq_aux_loss" if config.model_type == glm4_moe.MODEL_TYPE else "aux_loss"))
     chosen = {**defaults, **options}  # the config's options over the fusion defaults
     if routing_replay:
         chosen["moe_enable_routing_replay"] = True
@@ -323,14 +350,15 @@ def make_bridge(hf_dir: str, dtype: torch.dtype = torch.float32, make_vocab_size
     return bridge
 
 
-def moe_options(options: dict[str, Any]) -> dict[str, Any]:
+def moe_options(options: dict[str, Any], balancing_type: str = "aux_loss") -> dict[str, Any]:
     """The MoE defaults over mbridge's, given the model options of the config (`model_options`).
 
     The router scores in fp32 (`moe_router_dtype`, as HF's router and slime's Qwen3-MoE scripts do). The
     auxiliary load-balancing loss is off unless `moe_aux_loss_coeff` > 0: mbridge sets the coefficient from
     the HF config's `router_aux_loss_coef` but switches the loss off (`moe_router_load_balancing_type`
-    "none", for RL), so a coefficient given here selects megatron's default `aux_loss` unless a type is given;
-    a coefficient with type "none" would do nothing and is refused. The router z-loss (`moe_z_loss_coeff`)
+    "none", for RL), so a coefficient given here selects `balancing_type` unless a type is given (megatron's
+    default `aux_loss`; GLM-4.5: `seq_aux_loss`, as slime's scripts name it); a coefficient with type "none" would
+    do nothing and is refused. The router z-loss (`moe_z_loss_coeff`)
     needs no type. No token is dropped (`moe_expert_capacity_factor` None, mbridge's)."""
     coeff = options.get("moe_aux_loss_coeff", 0.0)
     coeffs = coeff if isinstance(coeff, list | tuple) else [coeff]
@@ -341,7 +369,7 @@ def moe_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"megatron.moe_aux_loss_coeff={coeff!r} with moe_router_load_balancing_type 'none': the "
                               "load-balancing loss would not be computed; drop one of them")
         if balancing is None:
-            out["moe_router_load_balancing_type"] = "aux_loss"
+            out["moe_router_load_balancing_type"] = balancing_type
     return out
 
 
@@ -430,6 +458,7 @@ def build_model(bridge: Any, hf_dir: str | None = None, wrap_with_ddp: bool = Fa
     if cuda_graphs.enabled(models):  # after post_create, which freezes what LoRA / freeze lists freeze
         cuda_graphs.prepare(models)
     if hf_dir is not None:
+        glm4_moe.log_skipped_mtp(hf_dir, bridge.hf_config)  # mbridge reads only the names the model has
         bridge.load_weights(models, hf_dir)
     return models
 

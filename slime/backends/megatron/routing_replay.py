@@ -12,8 +12,9 @@
   forward is that pass.
 
 Replay fixes only the discrete expert ids: the gating weights are still the trainer's router's, its softmax at
-the replayed ids (after the top-k with `norm_topk_prob`, as Qwen3-MoE; over all experts otherwise), so the
-router keeps its gradient. The reference and teacher passes route as their models do (slime's "fallthrough").
+the replayed ids (after the top-k with `norm_topk_prob`, as Qwen3-MoE; over all experts otherwise; GLM-4.5: its
+sigmoid scores there, without the expert bias, renormalised and scaled), so the router keeps its gradient. Only
+MoE layers have routers: a dense layer's ids in a record (-1, as engines write them) are neither checked nor used. The reference and teacher passes route as their models do (slime's "fallthrough").
 
 How it hooks into megatron-core 0.16.1: a model built with `moe_enable_routing_replay` (`make_bridge(...,
 routing_replay=True)`) gives every `TopKRouter` a `RouterReplay` (`router.router_replay`), which

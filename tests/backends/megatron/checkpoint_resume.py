@@ -9,6 +9,7 @@
                                                                               default only on CUDA)
     ... --expert-parallel N                                                   an MoE model's experts split over
                                                                               N ranks
+    ... --megatron JSON                                                       megatron options for make_bridge
     resume ... --no-load-optim / --no-load-rng                                Megatron's partial loads: fresh
                                                                               optimizer and schedule / RNG
 
@@ -75,14 +76,16 @@ def report(models, optimizer, rank: int, step: int, where: str, **extra) -> None
     draws = [random.random(), float(np.random.rand()), torch.rand(1).item()]
     if torch.cuda.is_available():
         draws.append(torch.rand(1, device="cuda").item())
+    buffers = [b for name, b in models[0].named_buffers() if name.endswith("expert_bias")]  # GLM-4.5's router bias
     print(json.dumps({"rank": rank, "step": step, "where": where, "weights": digest(models[0].parameters()),
+                      "expert_bias": digest(buffers),
                       "optimizer": optimizer_digest(optimizer), "lr": optimizer.param_groups[0]["lr"],
                       "fused": bool(optimizer.param_groups[0].get("fused")), "draws": draws, **extra}),
           flush=True)
 
 
 def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: bool = False, fused_adam: bool = False,
-          expert_parallel: int = 1):
+          expert_parallel: int = 1, megatron: dict | None = None):
     rank, world, init_method = rank_env()
     if torch.cuda.is_available():  # bit-exactness on a GPU also needs deterministic kernels
         torch.use_deterministic_algorithms(True)
@@ -91,7 +94,7 @@ def setup(hf_dir: str, distributed: str | None, lr: float = 1e-2, with_lora: boo
                                 "--lr-warmup-init", "1e-4", "--min-lr", "1e-4", "--weight-decay", "0.01",
                                 *(["--use-distributed-optimizer"] if distributed else []),
                                 *(["--fused-adam"] if fused_adam else [])])  # else the default: fused on CUDA
-    bridge = make_bridge(hf_dir)
+    bridge = make_bridge(hf_dir, megatron=megatron)
     spec = lora.LoraSpec(rank=4, alpha=8.0, dropout=0.1, targets=("linear_qkv", "linear_fc2"), seed=7)
     models = build_model(bridge, hf_dir, wrap_with_ddp=True,
                          use_distributed_optimizer=config.train.use_distributed_optimizer,
@@ -122,10 +125,12 @@ def main() -> None:
     parser.add_argument("--no-load-optim", action="store_true")
     parser.add_argument("--no-load-rng", action="store_true")
     parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--megatron", type=json.loads, default=None)
     args = parser.parse_args()
     rank, world, bridge, models, optimizer, scheduler = setup(args.hf_dir, args.distributed, with_lora=args.lora,
                                                               fused_adam=args.fused_adam,
-                                                              expert_parallel=args.expert_parallel)
+                                                              expert_parallel=args.expert_parallel,
+                                                              megatron=args.megatron)
     full = f"{args.save}/full"
     if args.mode == "run":
         for k in range(1, STEPS + 1):

@@ -27,7 +27,7 @@ def assert_bit_exact(run: list, resume: list) -> None:
         assert [row["step"] for row in resume_rows] == [SAVE_AT, SAVE_AT + 1, SAVE_AT + 2]
         for row in resume_rows:
             expected = uninterrupted[row["step"]]
-            for key in ("weights", "optimizer", "lr", "draws"):
+            for key in ("weights", "expert_bias", "optimizer", "lr", "draws"):
                 assert row[key] == expected[key], (rank, row["step"], key)
         # the steps after the save really train: weights, optimizer state and lr all move
         after = [uninterrupted[k] for k in (SAVE_AT, SAVE_AT + 1, SAVE_AT + 2)]

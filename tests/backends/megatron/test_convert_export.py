@@ -11,7 +11,7 @@ import torch
 from script_rows import run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config, Qwen3Config
 
-from slime.data.random_models import qwen3_moe_config
+from slime.data.random_models import glm4_moe_config, qwen3_moe_config
 from slime.data.tiny import build_tokenizer
 
 SLIME = shutil.which("slime", path=str(Path(sys.executable).parent))
@@ -27,12 +27,19 @@ FAMILIES = {
     # weights (Megatron's moe_router_pre_softmax False / True), which only the logits tell apart
     "qwen3-moe": qwen3_moe_config("tiny", max_position_embeddings=128),
     "qwen3-moe-no-renorm": qwen3_moe_config("tiny", max_position_embeddings=128, norm_topk_prob=False),
+    # GLM-4.5: a dense first layer, a shared expert, grouped sigmoid routing with an expert bias (drawn in make_model:
+    # zeros at init), routed_scaling_factor, half-rotary heads, q/k norms, qkv biases (measured logits gap 1.9e-7)
+    "glm4-moe": glm4_moe_config("tiny", max_position_embeddings=128),
 }
 
 
 def make_model(config, out: Path) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert bias: exported from megatron's buffer
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return out
