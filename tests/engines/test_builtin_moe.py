@@ -1,8 +1,10 @@
-"""The built-in engine on Qwen3-MoE (moe.py, the slot decoder's MoE layers, routed experts, weight updates), on CPU in
-fp32 against the `transformers` `Qwen3MoeForCausalLM` on a tiny random model: the router and every expert dispatch
-equal the `transformers` block; prefill and decode logits equal its forward; the engine's greedy tokens and
-log-probs equal its own; `return_routed_experts` gives SGLang's format with the ids its routers choose; in-place
-weight updates by per-expert names change the outputs. Tolerance: 1e-5, as the dense engine-vs-HF tests."""
+"""The built-in engine on Qwen3-MoE and GLM-4.5 (moe.py, the slot decoder's MoE layers, routed experts, weight
+updates), on CPU in fp32 against `transformers`' `Qwen3MoeForCausalLM` / `Glm4MoeForCausalLM` on tiny random models:
+the router and every expert dispatch equal the `transformers` block; prefill and decode logits equal its forward; the
+engine's greedy tokens and log-probs equal its own; `return_routed_experts` gives SGLang's format with the ids its
+routers choose (-1 in GLM-4.5's dense first layer); in-place weight updates by per-expert names change the outputs.
+Tolerance: 1e-5, as the dense engine-vs-HF tests (measured: the GLM-4.5 slot decoder's logits within 2e-7 of the
+`transformers` forward). GLM-4.5's own weight updates, MTP layers and refusals: test_builtin_glm4_moe.py."""
 
 import asyncio
 import base64
@@ -13,10 +15,18 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from slime.data.random_models import glm4_moe_config
 from slime.data.tiny import build_tokenizer
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.fusion import ProjectionFusion
-from slime.engines.builtin.moe import MODES, encode_routed_experts, experts_forward, moe_layers, route
+from slime.engines.builtin.moe import (
+    MODES,
+    encode_routed_experts,
+    experts_forward,
+    moe_layers,
+    route,
+    shared_expert_forward,
+)
 from slime.engines.builtin.sampling import BadRequestError
 from slime.engines.builtin.slots import SlotDecoder, slot_support
 from slime.sync.tensor import _FileSystemSharing, pack_bucket, serialize_named_tensors
@@ -36,15 +46,43 @@ def tiny_moe(seed: int = 0, **overrides) -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape), dtype=torch.float32).eval()
 
 
-def hf_routing(model, tokens: list[int]) -> np.ndarray:
-    """The experts `transformers`' routers choose at every position of `tokens`: [T, layers, k] (its router logits,
-    output_router_logits, through the router's own softmax + top-k)."""
+def tiny_glm(seed: int = 0, **overrides) -> AutoModelForCausalLM:
+    """A random GLM-4.5-style model, random_models' "tiny" (hidden 64, 3 layers, layer 0 dense, 8 routed experts in 2
+    groups of which 1 is kept, top-2, a shared expert, routed_scaling_factor 2.5, half-rotary heads, q/k norms, q/k/v
+    biases), over the tiny kit's vocabulary; its expert bias ~ N(0, 0.1^2) (as save_random_glm4_moe) and q/k/v
+    biases ~ N(0, 0.5^2) drawn (from_config leaves both at zero, so neither would be tested)."""
+    torch.manual_seed(seed)
+    config = glm4_moe_config("tiny", max_position_embeddings=256, eos_token_id=None,
+                             **{"vocab_size": len(build_tokenizer()), **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model(torch.tensor([tokens], device=model.device), output_router_logits=True)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.1)
+            elif name.endswith("_proj.bias"):
+                tensor.normal_(0, 0.5)
+    return model
+
+
+MODELS = {"qwen3_moe": tiny_moe, "glm4_moe": tiny_glm}
+
+
+def hf_routing(model, tokens: list[int]) -> np.ndarray:
+    """The experts `transformers`' own routers chose at every position of `tokens` in its forward: [T, layers, k]
+    int32, -1 in a layer without a router (forward hooks on the routers: Qwen3-MoE's and GLM-4.5's both return
+    (logits, weights, ids))."""
+    seen = {}
+    handles = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out[2]))
+               for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens], device=model.device))
+    finally:
+        for handle in handles:
+            handle.remove()
     k = model.config.num_experts_per_tok
-    ids = [torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), k, dim=-1).indices
-           for logits in out.router_logits]
-    return torch.stack(ids, dim=1).cpu().numpy()
+    return np.stack([seen[i].view(len(tokens), k).cpu().numpy() if i in seen else np.full((len(tokens), k), -1)
+                     for i in range(len(model.model.layers))], axis=1).astype(np.int32)
 
 
 def decode_routing(meta: dict, rows: int, layers: int, k: int) -> np.ndarray:
@@ -72,6 +110,38 @@ def test_router_and_expert_dispatch_equal_the_transformers_block(norm, mode):
         experts_forward(block.experts, x, weights, ids, "loop")
 
 
+@pytest.mark.parametrize("router", [{}, {"n_group": 1, "topk_group": 1}, {"n_group": 4, "topk_group": 2,
+                                                                          "norm_topk_prob": False}],
+                         ids=["2_groups_keep_1", "1_group", "4_groups_keep_2_raw"])
+@pytest.mark.parametrize("mode", MODES)
+def test_glm_router_and_expert_dispatch_equal_the_transformers_block(router, mode):
+    """GLM-4.5's router (sigmoid, the expert bias in the choice only, group-limited top-k, routed_scaling_factor):
+    ids and weights equal `Glm4MoeTopkRouter`'s exactly; routed experts + the shared expert equal `Glm4MoeMoE`. The
+    drawn bias changes the choice (a router that ignored it would fail), and with groups limited every token's
+    experts lie in its kept groups."""
+    model = tiny_glm(**router)
+    block = model.model.layers[1].mlp
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, want_weights, want_ids = block.gate(x)
+        weights, ids = route(block.gate, x)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
+        got = experts_forward(block.experts, x, weights, ids, mode) + shared_expert_forward(block.shared_experts, x)
+        torch.testing.assert_close(got, block(x.unsqueeze(0))[0], rtol=0, atol=ATOL)
+        bias = block.gate.e_score_correction_bias
+        kept = bias.clone()
+        bias.zero_()
+        unbiased = route(block.gate, x)[1]
+        bias.copy_(kept)
+    assert (ids.sort(dim=-1).values != unbiased.sort(dim=-1).values).any(dim=-1).sum() >= 3
+    groups, per_group = model.config.n_group, 8 // model.config.n_group
+    chosen_groups = {tuple(sorted(set((row // per_group).tolist()))) for row in ids}
+    assert all(len(g) <= model.config.topk_group for g in chosen_groups)
+    if groups > model.config.topk_group:
+        assert len(chosen_groups) > 1  # different tokens keep different groups
+
+
 def test_routed_experts_wire_format_is_little_endian_int32_c_order():
     records = [torch.arange(12, dtype=torch.int32).view(3, 2, 2), torch.full((1, 2, 2), 7, dtype=torch.int32)]
     raw = base64.b64decode(encode_routed_experts(records, 1, 4))
@@ -84,15 +154,23 @@ def test_routed_experts_wire_format_is_little_endian_int32_c_order():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["all_moe", "mixed"])
+@pytest.mark.parametrize("layout", ["all_moe", "mixed", "glm4_moe"])
 def test_slot_decoder_equals_the_transformers_forward_and_its_routing(mode, layout):
     """Prefill then two decode steps (fused q/k/v): logits and routed experts of every fed token equal the
-    `transformers` forward over the whole sequence; a dense layer (mlp_only_layers) records -1."""
-    model = tiny_moe(**({"num_hidden_layers": 3, "mlp_only_layers": [1]} if layout == "mixed" else {}))
+    `transformers` forward over the whole sequence; a dense layer (mlp_only_layers, GLM-4.5's first_k_dense_replace)
+    records -1."""
+    if layout == "glm4_moe":
+        model = tiny_glm()
+    else:
+        model = tiny_moe(**({"num_hidden_layers": 3, "mlp_only_layers": [1]} if layout == "mixed" else {}))
     assert slot_support(model) is None
     projections = ProjectionFusion(model)
-    # q/k/v fused everywhere; gate/up only in a dense layer (an MoE block's experts hold it fused already)
-    assert all(projections.attention) and [group is None for group in projections.mlp] == moe_layers(model)
+    # q/k/v fused everywhere; gate/up in a dense layer and GLM-4.5's shared experts (an MoE block's experts hold it
+    # fused already)
+    shared = [hasattr(layer.mlp, "shared_experts") for layer in model.model.layers]
+    assert all(projections.attention)
+    assert [group is None for group in projections.mlp] == [m and not s for m, s in zip(moe_layers(model), shared,
+                                                                                          strict=True)]
     decoder = SlotDecoder(model, slots=6, max_len=32, device=CPU, cuda_graphs=False, projections=projections)
     decoder.moe_decode_mode = mode
     follow = [[21, 22], [23, 24], [25, 26], [27, 28]]
@@ -113,12 +191,8 @@ def test_slot_decoder_equals_the_transformers_forward_and_its_routing(mode, layo
             torch.testing.assert_close(steps[s][row + 1], full[len(prompt) + s], rtol=0, atol=ATOL)
         got = routed[row].numpy()
         assert got.shape == (len(sequence), layers, 2) and got.dtype == np.int32
-        want = hf_routing(model, sequence)
-        for layer, moe in enumerate(moe_layers(model)):
-            if moe:
-                assert np.array_equal(got[:, layer], want[:, len([m for m in moe_layers(model)[:layer] if m])])
-            else:
-                assert (got[:, layer] == -1).all()
+        assert np.array_equal(got, hf_routing(model, sequence))
+        assert [bool((got[:, layer] == -1).all()) for layer in range(layers)] == [not m for m in moe_layers(model)]
 
 
 # ------------------------------------------------------------------ the engine
@@ -132,14 +206,32 @@ def moe_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-glm4-moe")
+    tiny_glm().save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe"])
+def model_dir(request, moe_dir, glm_dir):
+    return moe_dir if request.param == "qwen3_moe" else glm_dir
+
+
 @pytest.fixture(scope="module", params=["slots", "dynamic", "slots_hf_prefill"])
-def engine(moe_dir, request):
-    """The slot cache (slot prefill, or the transformers prefill + copy) and the dynamic cache."""
-    args = EngineArgs(model_path=str(moe_dir), random_seed=3, kv_cache=request.param.removesuffix("_hf_prefill"),
+def engine(model_dir, request):
+    """The slot cache (slot prefill, or the transformers prefill + copy) and the dynamic cache, on each model."""
+    args = EngineArgs(model_path=str(model_dir), random_seed=3, kv_cache=request.param.removesuffix("_hf_prefill"),
                       disable_slot_prefill=request.param.endswith("_hf_prefill"))
     eng = BuiltinEngine(args)
     yield eng
     eng.shutdown()
+
+
+def shape(model) -> tuple[int, int]:
+    """(layers, k) of a routed-experts record of `model`: every decoder layer, routed or not."""
+    return model.config.num_hidden_layers, model.config.num_experts_per_tok
 
 
 def generate(engine, body):
@@ -153,8 +245,8 @@ def teacher_forced(model, prompt, output):
     return steps.gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
 
 
-def test_greedy_tokens_logprobs_and_routed_experts_equal_transformers(engine, moe_dir):
-    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+def test_greedy_tokens_logprobs_and_routed_experts_equal_transformers(engine, model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     new = [10, 6, 14, 3]  # unequal lengths: rows leave the running batch at different steps
     outs = generate(engine, {"input_ids": PROMPTS, "return_logprob": True, "return_routed_experts": True,
                              "sampling_params": [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
@@ -168,14 +260,14 @@ def test_greedy_tokens_logprobs_and_routed_experts_equal_transformers(engine, mo
         logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         torch.testing.assert_close(logprobs, teacher_forced(reference, prompt, out["output_ids"]), rtol=0, atol=ATOL)
         sequence = prompt + out["output_ids"]
-        routed = decode_routing(meta, len(sequence) - 1, 2, 2)
+        routed = decode_routing(meta, len(sequence) - 1, *shape(reference))
         assert meta["routed_experts_start_len"] == 0
         assert np.array_equal(routed, hf_routing(reference, sequence)[:-1])  # the last token was never fed
 
 
-def test_sampled_requests_joining_a_running_batch_keep_their_routing(engine, moe_dir):
+def test_sampled_requests_joining_a_running_batch_keep_their_routing(engine, model_dir):
     """A second group joins while the first decodes (slot compaction, the overlapped decode ahead); sampled."""
-    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def body(prompts, n):
         return {"input_ids": prompts, "return_routed_experts": True, "return_logprob": True,
@@ -194,22 +286,22 @@ def test_sampled_requests_joining_a_running_batch_keep_their_routing(engine, moe
         sequence = prompt + out["output_ids"]
         logprobs = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(logprobs, teacher_forced(reference, prompt, out["output_ids"]), rtol=0, atol=ATOL)
-        routed = decode_routing(out["meta_info"], len(sequence) - 1, 2, 2)
+        routed = decode_routing(out["meta_info"], len(sequence) - 1, *shape(reference))
         assert np.array_equal(routed, hf_routing(reference, sequence)[:-1])
 
 
-def test_routed_experts_from_a_start_and_for_prompt_scoring(engine, moe_dir):
-    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+def test_routed_experts_from_a_start_and_for_prompt_scoring(engine, model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = PROMPTS[0]
     out = generate(engine, {"input_ids": prompt, "return_routed_experts": True, "routed_experts_start_len": 4,
                             "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}})
     sequence = prompt + out["output_ids"]
     assert out["meta_info"]["routed_experts_start_len"] == 4
     want = hf_routing(reference, sequence)[4:-1]
-    assert np.array_equal(decode_routing(out["meta_info"], len(want), 2, 2), want)
+    assert np.array_equal(decode_routing(out["meta_info"], len(want), *shape(reference)), want)
     scored = generate(engine, {"input_ids": prompt, "return_routed_experts": True, "return_logprob": True,
                                "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}})
-    assert np.array_equal(decode_routing(scored["meta_info"], len(prompt) - 1, 2, 2), hf_routing(reference, prompt)[:-1])
+    assert np.array_equal(decode_routing(scored["meta_info"], len(prompt) - 1, *shape(reference)), hf_routing(reference, prompt)[:-1])
     plain = generate(engine, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
     assert "routed_experts" not in plain["meta_info"]  # only when asked
     with pytest.raises(BadRequestError, match=r"routed_experts_start_len=10 must be an integer in \[0, 9\]"):

@@ -1,5 +1,7 @@
-"""The built-in engine on Qwen3-MoE on CUDA (run on a GPU machine: pytest -m gpu): the captured decode step's
-expert dispatch ("grouped" for bf16 on sm80+, "dense" otherwise, moe.py) against the `transformers` forward."""
+"""The built-in engine on Qwen3-MoE and GLM-4.5 on CUDA (run on a GPU machine: pytest -m gpu): the captured decode
+step's expert dispatch ("grouped" for bf16 on sm80+, "dense" otherwise, moe.py) against the `transformers` forward.
+The GLM-4.5 cases (its grouped sigmoid router with the expert bias, the shared expert) were written without a GPU
+at hand: not run yet."""
 
 import asyncio
 import base64
@@ -7,7 +9,7 @@ import base64
 import numpy as np
 import pytest
 import torch
-from test_builtin_moe import PROMPTS, hf_routing, tiny_moe
+from test_builtin_moe import MODELS, PROMPTS, hf_routing
 
 from slime.data.tiny import build_tokenizer
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
@@ -21,13 +23,14 @@ def _require_cuda() -> None:
         pytest.fail("gpu test run without CUDA")
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize(("dtype", "mode", "tolerance", "agreement"),
                          [("float32", "dense", 1e-4, 1.0), ("bfloat16", "grouped", 0.1, 0.9)])
-def test_cuda_graph_decode_matches_transformers(tmp_path, dtype, mode, tolerance, agreement):
+def test_cuda_graph_decode_matches_transformers(tmp_path, model, dtype, mode, tolerance, agreement):
     """Log-probs as test_builtin_engine_gpu.py's tolerances; routed ids all equal in fp32, and in bf16 at least
     `agreement` of them (another kernel's rounding may flip a near tie of the router)."""
     _require_cuda()
-    tiny_moe().save_pretrained(tmp_path)
+    MODELS[model]().save_pretrained(tmp_path)
     build_tokenizer().save_pretrained(tmp_path)
     engine = BuiltinEngine(EngineArgs(model_path=str(tmp_path), device="cuda", dtype=dtype, kv_cache="slots"))
     try:
@@ -56,10 +59,11 @@ def test_cuda_graph_decode_matches_transformers(tmp_path, dtype, mode, tolerance
         engine.shutdown()
 
 
-def test_cuda_dispatch_modes_agree_and_grouped_replays_in_a_graph():
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_cuda_dispatch_modes_agree_and_grouped_replays_in_a_graph(model):
     _require_cuda()
-    model = tiny_moe().to("cuda", torch.bfloat16)
-    block = model.model.layers[0].mlp
+    model = MODELS[model]().to("cuda", torch.bfloat16)
+    block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     x = torch.randn(24, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         weights, ids = route(block.gate, x)

@@ -1,6 +1,8 @@
 """The built-in engine with tensor parallelism (`--tp-size 2`: rank 0 in this process, rank 1 a child process, gloo)
 against the same engine unsplit (TP 1), on CPU in fp32: the tiny kit's Qwen2 (q/k/v biases), a random Qwen3 with
-q/k norms and an o_proj bias (the row-parallel bias), and a random Qwen3-MoE with a dense layer among sparse ones.
+q/k norms and an o_proj bias (the row-parallel bias), a random Qwen3-MoE with a dense layer among sparse ones, and
+(slow: a fourth two-process engine) a random GLM-4.5 (test_builtin_moe's `tiny_glm`: dense first layer, shared
+expert, grouped sigmoid routing with an expert bias, partial rotary, q/k norms, q/k/v biases).
 
 Tolerance: log-probs within 1e-5 (as the fp32 engine tests); the o_proj, down_proj and experts' sums run as two
 partial sums added by the all-reduce, another summation order than one GEMM's, which moved log-probs by < 1e-6 here.
@@ -17,6 +19,7 @@ import pytest
 import torch
 from proc_checks import port_free, running
 from safetensors.torch import save_file
+from test_builtin_moe import tiny_glm
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from slime.data.random_models import save_random_qwen3_moe
@@ -46,16 +49,21 @@ def save_qwen3(path):
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3_moe",
+                                        pytest.param("glm4_moe", marks=pytest.mark.slow)])
 def pair(request, tiny_kit, tmp_path_factory):
     """(TP 2 engine, TP 1 engine, model dir) on one model; the TP 1 engine on the slot cache too."""
     if request.param == "qwen2":
         path = tiny_kit.model_dir
     elif request.param == "qwen3":
         path = save_qwen3(tmp_path_factory.mktemp("qwen3"))
-    else:  # 3 layers, the middle one dense: the MLP and the experts split alike
+    elif request.param == "qwen3_moe":  # 3 layers, the middle one dense: the MLP and the experts split alike
         path = save_random_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"), "tiny", num_hidden_layers=3,
                                      mlp_only_layers=[1], vocab_size=len(build_tokenizer()), eos_token_id=None)
+    else:  # GLM-4.5: a dense first layer, a shared expert (split as a dense MLP), grouped sigmoid routing, q/k/v biases
+        path = tmp_path_factory.mktemp("glm4-moe")
+        tiny_glm().save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
     tp2 = BuiltinEngine(EngineArgs(model_path=str(path), random_seed=5, tp_size=2, max_running_requests=16))
     tp1 = BuiltinEngine(EngineArgs(model_path=str(path), random_seed=5, kv_cache="slots", max_running_requests=16))
     assert tp2.scheduler.kv_cache == "slots"  # TP takes the slot cache, on CPU too
@@ -132,9 +140,12 @@ def test_weight_updates_through_tp2_equal_tp1s(pair, tmp_path):
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     generator = torch.Generator().manual_seed(11)
     names = [n for n in full if split_rule(n) is not None][:12] + ["model.norm.weight"]
+    # GLM-4.5: a shared expert (split as a dense MLP), a router weight and its expert-bias buffer (replicated)
+    names += [n for n in full if ".shared_experts." in n or ".mlp.gate." in n][:5]
     named = [(n, full[n] + 0.05 * torch.randn(full[n].shape, generator=generator)) for n in names]
     if tp2.scheduler.moe_top_k:  # one expert by its checkpoint names (blocks of the fused parameters)
-        prefix, size, hidden = "model.layers.0.mlp.experts.3", 32, 64  # moe_intermediate_size, hidden_size
+        layer = next(i for i, lay in enumerate(tp1.model.model.layers) if hasattr(lay.mlp, "experts"))
+        prefix, size, hidden = f"model.layers.{layer}.mlp.experts.3", 32, 64  # moe_intermediate_size, hidden_size
         named += [(f"{prefix}.gate_proj.weight", torch.randn(size, hidden, generator=generator)),
                   (f"{prefix}.up_proj.weight", torch.randn(size, hidden, generator=generator)),
                   (f"{prefix}.down_proj.weight", torch.randn(hidden, size, generator=generator))]

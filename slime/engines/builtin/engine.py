@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import glob
 import itertools
+import json
 import logging
 import os
 import time
@@ -23,21 +24,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from slime import __version__
 from slime.engines.builtin.batch import Request
 from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
 from slime.engines.builtin.memory import apply_memory_budget
-from slime.engines.builtin.moe import encode_routed_experts
+from slime.engines.builtin.moe import check_moe_config, encode_routed_experts
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Scheduler
 from slime.engines.builtin.slots import slot_support
 from slime.engines.builtin.tp_group import TensorParallel, rank_device
 from slime.engines.builtin.tp_shard import check_tp_config, install_all_reduce, shard_parameters
-from slime.engines.builtin.weights import WeightChecker, WeightUpdater
+from slime.engines.builtin.weights import WeightChecker, WeightUpdater, mtp_layers, mtp_tensor_names
 from slime.errors import ConfigError, EngineStartError
 from slime.offload import HostParking
 
@@ -72,7 +75,7 @@ class EngineArgs:
     context_length: int | None = None
     served_model_name: str | None = None
     weight_version: str = "default"
-    kv_cache: str = "auto"  # auto (slots on CUDA for Qwen2/Qwen3/Llama), slots, dynamic
+    kv_cache: str = "auto"  # auto (slots on CUDA for Qwen2/Qwen3/Qwen3-MoE/GLM-4.5/Llama), slots, dynamic
     disable_cuda_graph: bool = False
     max_slot_tokens: int = 4096  # slot mode: prompt + new tokens of one request (KV memory per slot)
     disable_overlap_schedule: bool = False  # slot mode: wait for each step's tokens before the next decode
@@ -110,8 +113,40 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(model_path: str, device: torch.device, dtype: torch.dtype) -> Any:
     """The HF checkpoint at `model_path` as a `transformers` causal LM on `device`, in inference mode (every rank of
-    a tensor-parallel engine loads it so, then keeps its slice: tp_shard.py)."""
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    a tensor-parallel engine loads it so, then keeps its slice: tp_shard.py).
+
+    A GLM-4.5 checkpoint ships its multi-token-prediction layer(s) as `model.layers.{num_hidden_layers + i}.*`
+    (`num_nextn_predict_layers`): SGLang uses them only for speculative decoding, which this engine does not do, so
+    they are left unread with one log line (`transformers` ignores them silently only for the layer counts of the
+    released GLM-4.5 and GLM-4.5-Air, and lists them as unexpected otherwise)."""
+    config = AutoConfig.from_pretrained(model_path)
+    mtp = mtp_tensor_names(checkpoint_names(model_path), config)
+    if not mtp:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    logger.info("ignoring the checkpoint's %d multi-token-prediction tensors (model.layers.%s.*, "
+                "num_nextn_predict_layers=%s): the built-in engine does no speculative decoding", len(mtp),
+                "|".join(str(i) for i in mtp_layers(config)), getattr(config, "num_nextn_predict_layers", None))
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    patterns = [*(model_class._keys_to_ignore_on_load_unexpected or []),
+                *(rf"model\.layers\.{i}\." for i in mtp_layers(config))]
+    # a subclass that also ignores them (the class attribute of `transformers`' own class is left as it is)
+    quiet = type(model_class.__name__, (model_class,), {"_keys_to_ignore_on_load_unexpected": patterns,
+                                                       "__module__": model_class.__module__})
+    return quiet.from_pretrained(model_path, config=config, dtype=dtype).to(device).eval()
+
+
+def checkpoint_names(model_path: str) -> list[str]:
+    """The tensor names of the safetensors checkpoint at `model_path` (its index, else every file's header); empty
+    where there is none (another format: `transformers` reads it)."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return list(json.load(f).get("weight_map", {}))
+    names: list[str] = []
+    for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
 
 
 def start_tensor_parallel(args: EngineArgs, model: Any, device: torch.device) -> TensorParallel:
@@ -150,8 +185,10 @@ class BuiltinEngine:
         self.args = args
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if args.tp_size != 1:  # a bad split is refused before any weight is read
-            check_tp_config(AutoConfig.from_pretrained(args.model_path), args.tp_size)
+        config = AutoConfig.from_pretrained(args.model_path)
+        check_moe_config(config)  # a router the engine cannot run is refused before any weight is read
+        if args.tp_size != 1:  # so is a bad split
+            check_tp_config(config, args.tp_size)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.model = load_model(args.model_path, self.device, self.dtype)
         self.model_path = args.model_path
@@ -316,6 +353,7 @@ class BuiltinEngine:
             state: dict[str, torch.Tensor] = {}
             for path in files:
                 state.update(load_file(path))
+            state = dict(self.weights.targets.without_mtp(list(state.items())))  # GLM-4.5's MTP layer: not served
             tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
             missing = [name for name in self.weights.targets.missing(set(state)) if name not in tied]
             unexpected = sorted(name for name in state if self.weights.targets.target(name) is None)

@@ -17,8 +17,9 @@ captures graphs over them.
 
 A group is fused only when its members share input size, dtype and device and have all or none of the
 biases; otherwise it is left to the modules (logged once, naming the group). `--disable-fused-projections`
-keeps every module unfused. A layer whose MLP is a sparse MoE block (Qwen3-MoE, moe.py) fuses q/k/v only: its
-experts already hold gate and up as one fused parameter (`gate_up_proj`), and it has no gate_proj/up_proj.
+keeps every module unfused. A layer whose MLP is a sparse MoE block (Qwen3-MoE, GLM-4.5; moe.py) does not fuse its
+experts' gate/up (they are one fused parameter already, `gate_up_proj`); where the block has a shared expert
+(GLM-4.5's `shared_experts`, a dense gate/up/down MLP) that expert's gate/up is the layer's fused gate/up group.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ class ProjectionFusion:
             for kind, owner, names, out in (("q/k/v", layer.self_attn, ATTENTION, self.attention),
                                             ("gate/up", layer.mlp, MLP, self.mlp)):
                 if kind == "gate/up" and is_moe_block(owner):  # the experts' gate/up are fused already
-                    out.append(None)
-                    continue
+                    owner = getattr(owner, "shared_experts", None)  # GLM-4.5: fuse its shared expert's
+                    if owner is None:
+                        out.append(None)
+                        continue
                 modules = [getattr(owner, name, None) for name in names]
                 reason = "missing modules" if None in modules else fusion_obstacle(modules)
                 if reason is not None:

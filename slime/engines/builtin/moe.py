@@ -1,13 +1,26 @@
-"""Mixture-of-experts layers for the built-in engine (Qwen3-MoE): routing, expert dispatch, routed-expert records.
+"""Mixture-of-experts layers for the built-in engine (Qwen3-MoE, GLM-4.5): routing, expert dispatch, routed-expert
+records.
 
 A `transformers` 5.x `Qwen3MoeSparseMoeBlock` (`layer.mlp`) holds a router (`mlp.gate`, a `Qwen3MoeTopKRouter`:
 `weight` [E, H]) and the experts as two fused 3-D parameters (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
-first, and `mlp.experts.down_proj` [E, H, I]). The slot decoder (slots.py) runs the block with these functions
-over the module's own parameters, so in-place weight updates apply at once:
+first, and `mlp.experts.down_proj` [E, H, I]). A GLM-4.5 `Glm4MoeMoE` (`glm4_moe`) has the same experts, a
+`Glm4MoeTopkRouter` (`weight` [E, H] kept in fp32, and an expert bias buffer `e_score_correction_bias` [E]) and a
+shared expert (`mlp.shared_experts`, a dense gate/up/down MLP of `moe_intermediate_size * n_shared_experts`) whose
+output is added to the routed experts'. Its first `first_k_dense_replace` layers are dense MLPs (no router). The
+slot decoder (slots.py) runs the block with these functions over the module's own parameters, so in-place weight
+updates apply at once:
 
-* `route`: router logits -> fp32 softmax -> top-k -> (with `norm_topk_prob`) renormalised, cast to the logits'
-  dtype: the same operations, in the same order and dtypes, as `Qwen3MoeTopKRouter.forward`, so the chosen ids
-  equal `transformers`' for equal inputs.
+* `route`: the router's choice, by the same operations, in the same order and dtypes, as the `transformers`
+  router's forward, so the chosen ids equal `transformers`' for equal inputs (on CUDA, `topk(sorted=False)` may
+  list a token's k ids in another order than on CPU; the set is the same):
+  - Qwen3-MoE (`Qwen3MoeTopKRouter`): logits -> fp32 softmax -> top-k -> (with `norm_topk_prob`) renormalised,
+    cast to the logits' dtype.
+  - GLM-4.5 (`Glm4MoeTopkRouter`, `biased_router`): fp32 logits -> sigmoid scores; the *choice* adds the expert
+    bias: with `n_group` groups of E / n_group experts, each group scored by the sum of its two best biased
+    scores, only the `topk_group` best groups' experts stay eligible, then the k best biased scores among them
+    (`topk(sorted=False)`, as `transformers`); the *weights* are the unbiased sigmoid scores of the chosen ids,
+    (with `norm_topk_prob`) divided by their sum + 1e-20, times `routed_scaling_factor`: fp32 whatever the
+    model's dtype (as `transformers`, whose experts then multiply their bf16 outputs by them in fp32).
 * `experts_forward`: the (token, slot) pairs grouped by expert (a stable sort of the expert ids), each expert's
   gate/up, SiLU x up and down over its contiguous slice, weighted, put back in (token, slot) order by the inverse
   permutation and summed over the k slots (as `transformers`' grouped_mm path: deterministic, where an
@@ -23,6 +36,13 @@ over the module's own parameters, so in-place weight updates apply at once:
     CUDA-graph decode step's fallback where grouped GEMMs are not available (decode batches are small, and at
     decode every expert's weights are read anyway once batch x k reaches E).
   `dispatch_modes` picks them: (decode step, prefill).
+
+The shared expert (GLM-4.5) runs as a dense MLP over every token (`shared_expert_forward`, its gate/up fused into
+one GEMM where the scheduler fused projections) and is added to the routed output before the tensor-parallel
+all-reduce, so one all-reduce sums both partial outputs (slots.py).
+
+`check_moe_config` refuses, at engine start and naming the field, what these functions cannot compute (groups that
+do not divide the experts, more eligible experts asked than the groups hold, a router of another layout).
 
 Checkpoints and trainers name the experts one by one, as SGLang's loader takes them
 (`...mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`: what `save_pretrained` writes and slime's
@@ -46,6 +66,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from slime.errors import ConfigError
 
 MODES = ("sorted", "grouped", "dense")
 NO_EXPERT = -1  # a layer without a router, in a routed-experts record
@@ -73,6 +95,37 @@ def moe_layers(model: Any) -> list[bool]:
     return [is_moe_block(getattr(layer, "mlp", None)) for layer in layers]
 
 
+def biased_router(gate: Any) -> bool:
+    """Whether `gate` is a GLM-4.5 (DeepSeek-V3-style) router: sigmoid scores, an expert bias for the choice,
+    group-limited top-k, `routed_scaling_factor` (`Glm4MoeTopkRouter`)."""
+    return isinstance(getattr(gate, "e_score_correction_bias", None), torch.Tensor)
+
+
+def check_moe_config(config: Any) -> None:
+    """ConfigError naming the field when `config` describes a MoE router the engine cannot run (before any weight
+    is read): GLM-4.5's groups must divide the routed experts, hold at least two experts each (a group's score is
+    the sum of its two best), `topk_group` must lie in [1, n_group], and the eligible groups must hold at least
+    `num_experts_per_tok` experts."""
+    if getattr(config, "model_type", None) != "glm4_moe":
+        return
+    experts, groups = config.n_routed_experts, config.n_group
+    topk_group, top_k = config.topk_group, config.num_experts_per_tok
+    where = f"{config.model_type} config"
+    if not isinstance(groups, int) or groups < 1 or experts % groups:
+        raise ConfigError(f"{where}: n_group {groups} does not divide n_routed_experts {experts} (each group holds "
+                          "n_routed_experts / n_group experts)")
+    if experts // groups < 2:
+        raise ConfigError(f"{where}: n_group {groups} leaves {experts // groups} expert per group; a group is scored "
+                          "by the sum of its two best experts' scores, so each group needs at least 2")
+    if not 1 <= topk_group <= groups:
+        raise ConfigError(f"{where}: topk_group {topk_group} must lie in [1, n_group={groups}]")
+    if not 1 <= top_k <= topk_group * (experts // groups):
+        raise ConfigError(f"{where}: num_experts_per_tok {top_k} must lie in [1, {topk_group * (experts // groups)}] "
+                          f"(the experts of the topk_group={topk_group} groups kept, {experts // groups} each)")
+    if (getattr(config, "n_shared_experts", 0) or 0) < 0:
+        raise ConfigError(f"{where}: n_shared_experts {config.n_shared_experts} must be >= 0")
+
+
 def moe_top_k(model: Any) -> int:
     """The experts each token is routed to (the first MoE layer's router's k); 0 for a model without MoE layers."""
     layers = getattr(getattr(model, "model", None), "layers", None) or []
@@ -80,16 +133,53 @@ def moe_top_k(model: Any) -> int:
 
 
 def route(gate: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice for `x` [N, H]: weights [N, k] (the logits' dtype) and expert ids [N, k] (int64).
+    """The router's choice for `x` [N, H]: weights [N, k] (the logits' dtype: fp32 for GLM-4.5) and expert ids
+    [N, k] (int64).
 
-    As `Qwen3MoeTopKRouter.forward` (transformers 5.24): logits = x W^T; p = softmax(logits) in fp32; the k
-    largest p (ids in descending p); with `norm_topk_prob` divided by their sum; cast to the logits' dtype."""
+    Qwen3-MoE, as `Qwen3MoeTopKRouter.forward` (transformers 5.24): logits = x W^T; p = softmax(logits) in fp32; the
+    k largest p (ids in descending p); with `norm_topk_prob` divided by their sum; cast to the logits' dtype. GLM-4.5:
+    `route_biased` (a router with an expert bias)."""
+    if biased_router(gate):
+        return route_biased(gate, x)
     logits = F.linear(x, gate.weight)  # [N, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, gate.top_k, dim=-1)
     if gate.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+def route_biased(gate: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GLM-4.5 router's choice for `x` [N, H]: weights [N, k] fp32 and expert ids [N, k], as
+    `Glm4MoeTopkRouter.forward` (transformers 5.24), operation by operation (see the module docstring). When every
+    group is kept (`topk_group == n_group`, GLM-4.5's own n_group = topk_group = 1) the group mask keeps every
+    expert, so it is skipped: the same ids and weights, five fewer kernels per MoE layer of a decode step."""
+    logits = F.linear(x.to(torch.float32), gate.weight.to(torch.float32))  # [N, E]
+    scores = logits.sigmoid()
+    choice = scores + gate.e_score_correction_bias  # the bias picks the experts; it weighs nothing
+    experts, groups = choice.shape[-1], gate.num_group
+    if gate.topk_group < groups:
+        group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+        kept = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, kept, 1)
+        eligible = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+        choice = choice.masked_fill(~eligible.bool(), float("-inf"))
+    ids = torch.topk(choice, k=gate.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if gate.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * gate.routed_scaling_factor, ids
+
+
+def shared_expert_forward(shared: Any, x: torch.Tensor, gate_up: Any = None, silu_mul: Any = None) -> torch.Tensor:
+    """The shared expert (GLM-4.5's `shared_experts`, a gate/up/down MLP) over x [N, H], *without* its down
+    projection's tensor-parallel sum (the caller adds it to the routed experts' partial output and sums both with one
+    all-reduce) and without the down projection's bias (GLM-4.5's has none; a caller adds one after that sum).
+    `gate_up`: the scheduler's fused gate/up projection
+    (fusion.py) or None; `silu_mul`: the compiled SiLU x up (slots.py) or None for the module's activation."""
+    gate, up = gate_up(x) if gate_up is not None else (shared.gate_proj(x), shared.up_proj(x))
+    hidden = silu_mul(gate, up) if silu_mul is not None else shared.act_fn(gate) * up
+    return F.linear(hidden, shared.down_proj.weight)
 
 
 def grouped_available(device: torch.device, dtype: torch.dtype) -> bool:

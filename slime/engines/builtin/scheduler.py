@@ -8,7 +8,7 @@ one token for every running row. Finished rows are dropped from the cache, and c
 padding in every row are trimmed. Any `transformers` causal LM works, since only its forward pass
 (with `attention_mask`, `position_ids` and a `DynamicCache`) is used.
 
-With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3 and Llama) decoding runs on a
+With `kv_cache="slots"` (the default on CUDA for Qwen2, Qwen3, Qwen3-MoE, GLM-4.5 and Llama) decoding runs on a
 preallocated per-request slot cache with a graph-captured step (`slots.py`); rows then never move
 except when a finished row's slot is refilled by the last one. Prompts are prefilled by the slot
 decoder's own layers straight into their slots (`SlotDecoder.prefill`), except where `_prefill` says.

@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "slots", "dynamic"],
-                        help="auto: a slot cache with graph-captured decoding on CUDA (Qwen2/Qwen3/Llama), "
+                        help="auto: a slot cache with graph-captured decoding on CUDA (Qwen2/Qwen3/Qwen3-MoE/GLM-4.5/"
+                             "Llama), "
                              "else the dynamic cache")
     parser.add_argument("--disable-cuda-graph", action="store_true", help="slot mode: decode eagerly")
     parser.add_argument("--disable-overlap-schedule", action="store_true",

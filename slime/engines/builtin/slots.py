@@ -1,4 +1,5 @@
-"""A slot KV cache and a graph-captured decode step for the built-in engine (Qwen2, Qwen3, Qwen3-MoE, Llama).
+"""A slot KV cache and a graph-captured decode step for the built-in engine (Qwen2, Qwen3, Qwen3-MoE, GLM-4.5,
+Llama).
 
 The generic path of the scheduler (a `transformers` forward over a left-padded `DynamicCache`) pays,
 at every decode step, for concatenating the cache, a Python-level model forward (hundreds of kernel
@@ -34,10 +35,14 @@ In the decode step the rotary and the two key/value cache writes (`keys[rows, :,
 advanced-index `index_put_` each) are likewise one compiled function (`rotate_write_kv`, `fuse_kv_write=False`
 keeps the compiled rotary and the two writes); the prefill writes contiguous slices and keeps them.
 
-Qwen3-MoE: a layer whose MLP is a sparse MoE block runs it with `moe.py` over the block's own parameters (its
-router's top-k, then the experts grouped by expert id; no loop over tokens). The decode step uses a dispatch that
-can be captured in a CUDA graph (grouped GEMMs with device-side offsets on bf16 sm80+, else every expert on every
-row, masked), the prefill an eager one (`moe.dispatch_modes`). Every step and prefill also records the experts
+Qwen3-MoE and GLM-4.5 (`glm4_moe`): a layer whose MLP is a sparse MoE block runs it with `moe.py` over the block's
+own parameters (its router's top-k: softmax for Qwen3-MoE, GLM-4.5's sigmoid + expert bias + group-limited choice;
+then the experts grouped by expert id, no loop over tokens; GLM-4.5's shared expert added, its gate/up one fused
+GEMM). GLM-4.5's first `first_k_dense_replace` layers are dense MLPs, run as any dense layer; its partial rotary
+(only the first head_dim * partial_rotary_factor dims of each head rotated) is the model module's own
+`apply_rotary_pos_emb`, which the slot decoder calls (and compiles) whatever the model. The decode step uses a
+dispatch that can be captured in a CUDA graph (grouped GEMMs with device-side offsets on bf16 sm80+, else every
+expert on every row, masked), the prefill an eager one (`moe.dispatch_modes`). Every step and prefill also records the experts
 each fed token was routed to, [rows, tokens, num_hidden_layers, k] int32 (`last_routing`), from which the
 scheduler answers `return_routed_experts`.
 
@@ -64,18 +69,21 @@ from transformers import DynamicCache
 from slime.compiled import compiled
 from slime.engines.builtin.fusion import ProjectionFusion
 from slime.engines.builtin.moe import (
+    biased_router,
     dispatch_modes,
     experts_forward,
     moe_layers,
     moe_top_k,
     route,
     routing_record,
+    shared_expert_forward,
 )
 from slime.engines.builtin.tp_group import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "glm4_moe", "llama")
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 
 
 def slot_support(model: Any) -> str | None:
@@ -85,8 +93,15 @@ def slot_support(model: Any) -> str | None:
         return f"model type {config.model_type!r} (slot decoding covers {', '.join(SUPPORTED_MODEL_TYPES)})"
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or []):
         return "sliding-window attention"
-    if config.model_type == "qwen3_moe" and not any(moe_layers(model)):
-        return "a qwen3_moe model whose MoE blocks are not the fused-experts layout of transformers 5.x"
+    if config.model_type in MOE_MODEL_TYPES and not any(moe_layers(model)):
+        return f"a {config.model_type} model whose MoE blocks are not the fused-experts layout of transformers 5.x"
+    if config.model_type == "glm4_moe":
+        for i, (layer, moe) in enumerate(zip(model.model.layers, moe_layers(model), strict=True)):
+            if moe != (i >= config.first_k_dense_replace):
+                return (f"a glm4_moe model whose layer {i} is {'sparse' if moe else 'not a fused-experts MoE block'} "
+                        f"(first_k_dense_replace={config.first_k_dense_replace}: dense layers first, then MoE)")
+            if moe and not biased_router(layer.mlp.gate):
+                return f"a glm4_moe model whose layer {i} router has no e_score_correction_bias"
     return None
 
 
@@ -348,15 +363,24 @@ class SlotDecoder:
             return fused(x)
         return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
 
-    def _moe(self, mlp: Any, x: torch.Tensor, mode: str, routing: list[torch.Tensor | None]) -> torch.Tensor:
-        """A sparse MoE block over x [B, T, H] (moe.py), its router's ids [B, T, k] appended to `routing`."""
+    def _moe(self, layer: int, mlp: Any, x: torch.Tensor, mode: str,
+             routing: list[torch.Tensor | None]) -> torch.Tensor:
+        """A sparse MoE block over x [B, T, H] (moe.py), its router's ids [B, T, k] appended to `routing`; a shared
+        expert (GLM-4.5) added to the routed experts' output, as `transformers` adds it (routed + shared)."""
         batch, width, size = x.shape
         flat = x.reshape(batch * width, size)
         weights, ids = route(mlp.gate, flat)
         routing.append(ids.view(batch, width, -1))
         out = experts_forward(mlp.experts, flat, weights, ids, mode)
+        shared = getattr(mlp, "shared_experts", None)
+        if shared is not None:  # before the all-reduce: one sum over the ranks for both partial outputs
+            fused = self.projections.mlp[layer] if self.projections is not None else None
+            out = out + shared_expert_forward(shared, flat, fused, self._silu_mul if self.fused and self._silu_mlp
+                                              else None)
         if self.tp is not None:  # each rank's experts hold a slice of their intermediate dimension (tp_shard.py)
             self.tp.all_reduce(out)
+        if shared is not None and shared.down_proj.bias is not None:
+            out = out + shared.down_proj.bias
         return out.view(batch, width, size)
 
     def _mlp(self, layer: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
@@ -425,7 +449,7 @@ class SlotDecoder:
             out = attention.o_proj(attend(i, q, k, v.transpose(1, 2)))
             hidden, x = self._add_norm(hidden, out, layer.post_attention_layernorm)
             if self.moe[i]:
-                mlp_out = self._moe(layer.mlp, x, moe_mode, routing)
+                mlp_out = self._moe(i, layer.mlp, x, moe_mode, routing)
             else:
                 mlp_out = self._mlp(i, layer.mlp, x)
                 routing.append(None)

@@ -11,11 +11,14 @@ prefill, the weight updates) runs unchanged on every rank over its own slices:
   its bias added once after the sum. Both H and K must be divisible by N: KV heads are split, never replicated
   (`check_tp_config`). Qwen3's q/k norms act per head ([head_dim] weights): replicated.
 * dense MLP: gate_proj and up_proj column-parallel (rows), down_proj row-parallel + all-reduce.
-* MoE (Qwen3-MoE, moe.py): every rank holds every expert, each expert's intermediate dimension split (rows of the
-  gate and of the up half of the fused `gate_up_proj` [E, 2I, H], columns of `down_proj` [E, H, I]), the block's
-  output summed over the ranks. The router is replicated: every rank routes the same tokens to the same experts
+* MoE (Qwen3-MoE, GLM-4.5; moe.py): every rank holds every expert, each expert's intermediate dimension split (rows
+  of the gate and of the up half of the fused `gate_up_proj` [E, 2I, H], columns of `down_proj` [E, H, I]), the
+  block's output summed over the ranks. The router is replicated: every rank routes the same tokens to the same experts
   (its input is the all-reduced residual stream, equal on every rank), so no token moves between ranks (unlike
-  expert parallelism, which would need an all-to-all).
+  expert parallelism, which would need an all-to-all). GLM-4.5 (`glm4_moe`): the router's expert bias is replicated
+  too; the shared expert (`mlp.shared_experts.{gate,up,down}_proj`) is split as a dense MLP by its names; the slot
+  decoder adds its partial output to the routed experts' before the block's one all-reduce (slots.py), the
+  `transformers` forward sums it in its own `RowParallelLinear`.
 * embeddings, norms, lm_head: replicated. Every rank computes the full logits; only rank 0 samples from them.
   A vocab-parallel lm_head (and its gather) would save each rank V/N x H of weight reads: not done yet.
 

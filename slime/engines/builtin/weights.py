@@ -22,6 +22,11 @@ MoE experts may be named one by one (`...mlp.experts.{e}.gate_proj.weight`, as c
 name them) or by the model's fused parameters (`...mlp.experts.gate_up_proj`); the former are copied into their
 block of the fused parameter (`moe.expert_aliases`).
 
+GLM-4.5's multi-token-prediction layers (`model.layers.{num_hidden_layers + i}.*`, `num_nextn_predict_layers`),
+which this engine does not load (engine.load_model: no speculative decoding), are skipped in every update with one
+log line (`WeightTargets.without_mtp`), as SGLang's loader skips them without speculative decoding: a trainer or
+checkpoint that carries them updates the rest.
+
 With tensor parallelism (`--tp-size`, tp_group.py) every path still receives full HF tensors on rank 0 (from the
 first `serialized_named_tensors` entry, the disk, or the group), checks them against the full shapes, and
 `WeightTargets.copy_in` broadcasts each to the other ranks, every rank copying in its slice (tp_shard.py).
@@ -130,6 +135,21 @@ def verify_checksums(received: Sequence[tuple[str, torch.Tensor]], checksums: An
                                   "(sync again: the next sync sends every tensor)")
 
 
+def mtp_layers(config: Any) -> range:
+    """The decoder-layer indices a GLM-4.5 checkpoint gives its multi-token-prediction layers
+    (`num_nextn_predict_layers` after the `num_hidden_layers` decoder layers); empty for other models."""
+    if getattr(config, "model_type", None) != "glm4_moe":
+        return range(0)
+    first = config.num_hidden_layers
+    return range(first, first + int(getattr(config, "num_nextn_predict_layers", 0) or 0))
+
+
+def mtp_tensor_names(names: Sequence[str], config: Any) -> list[str]:
+    """The names among `names` that belong to `config`'s multi-token-prediction layers (`mtp_layers`)."""
+    prefixes = tuple(f"model.layers.{i}." for i in mtp_layers(config))
+    return [name for name in names if prefixes and name.startswith(prefixes)]
+
+
 class WeightTargets:
     """The model's named parameters and persistent buffers, for checking and in-place copies; per-expert names
     of a fused-experts MoE model resolve to blocks of its fused parameters (`aliases`).
@@ -144,6 +164,16 @@ class WeightTargets:
         self.world = tp.world if tp is not None else 1
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self.aliases = expert_aliases(model)
+        self.config = getattr(model, "config", None)
+
+    def without_mtp(self, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`named` less the tensors of GLM-4.5's multi-token-prediction layers (not served: see the module
+        docstring), logged once per update that had any."""
+        skipped = set(mtp_tensor_names([name for name, _ in named], self.config))
+        if skipped:
+            logger.info("weight update: skipped %d multi-token-prediction tensors (e.g. %s): the built-in engine does "
+                        "no speculative decoding", len(skipped), min(skipped))
+        return [(name, tensor) for name, tensor in named if name not in skipped]
 
     def target(self, name: str) -> torch.Tensor | None:
         """The tensor `name` writes (a view for a per-expert name, taken now: a memory release may have moved
@@ -291,7 +321,7 @@ class WeightUpdater:
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
             raise BadRequestError("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
         # rank 0's entry: with tensor parallelism rank 0 broadcasts the full tensors to the other ranks (copy_in)
-        named = decode_named_tensors(serialized_named_tensors[0])
+        named = self.targets.without_mtp(decode_named_tensors(serialized_named_tensors[0]))
         for name, tensor in named:
             self.targets.check(name, tensor.shape, tensor.dtype)
         self.guard()
@@ -364,9 +394,10 @@ class WeightUpdater:
                 received.append((name, buffer))
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
-        for name, tensor in received:
+        applied = self.targets.without_mtp(received)
+        for name, tensor in applied:
             self.targets.check(name, tensor.shape, tensor.dtype)
         self.guard()
-        verify_checksums(received, body.get("checksums"), body.get("checksum_algorithm"))
-        self._run(lambda: self.targets.copy_in(received))
-        return f"updated {len(received)} tensors from group {group_name!r}"
+        verify_checksums(received, body.get("checksums"), body.get("checksum_algorithm"))  # one per name sent
+        self._run(lambda: self.targets.copy_in(applied))
+        return f"updated {len(applied)} tensors from group {group_name!r}"
