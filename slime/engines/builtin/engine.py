@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slime import __version__
+from slime.config.layout import check_engine_tp
 from slime.engines.builtin.batch import Request
 from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
@@ -36,7 +37,7 @@ from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Scheduler
 from slime.engines.builtin.slots import slot_support
 from slime.engines.builtin.tp_group import TensorParallel, rank_device
-from slime.engines.builtin.tp_shard import check_tp_config, install_all_reduce, shard_parameters
+from slime.engines.builtin.tp_shard import install_all_reduce, shard_parameters
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater
 from slime.errors import ConfigError, EngineStartError
 from slime.offload import HostParking
@@ -151,7 +152,7 @@ class BuiltinEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         if args.tp_size != 1:  # a bad split is refused before any weight is read
-            check_tp_config(AutoConfig.from_pretrained(args.model_path), args.tp_size)
+            check_engine_tp(AutoConfig.from_pretrained(args.model_path), args.tp_size)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.model = load_model(args.model_path, self.device, self.dtype)
         self.model_path = args.model_path
