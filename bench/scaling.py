@@ -115,6 +115,130 @@ def shard_mb(layout: Layout) -> float:
     return layout.prompts * 8 * layout.tokens * SHARD_BYTES_PER_TOKEN / 1e6
 
 
+# --- four GPUs: what fits (docs/scaling.md, "What fits on four H100s") -------------------------------------------
+
+GIB = 2**30
+USABLE_GIB = 78.0  # what torch can allocate of an H100 80 GB (the CUDA context and NCCL buffers take the rest)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dense Qwen2.5 shape (untied embeddings, q/k/v biases, SwiGLU MLP, GQA)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 152064
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * self.intermediate + 2 * h
+        return self.layers * layer + 2 * self.vocab * h + h
+
+    def activation_bytes_per_token_layer(self) -> int:
+        """bf16 tensors one layer keeps for its backward, per token, without recompute (flash attention: no s x s
+        scores): attention 2 x (norm in, norm out, q/k/v out, attention out) = 2 (5h + 2 kv d); MLP 2 x (norm in,
+        norm out) + gate and up out (4 I) + their product (2 I) = 4h + 6I."""
+        return 14 * self.hidden + 4 * self.kv_heads * self.head_dim + 6 * self.intermediate
+
+    def kv_bytes_per_token(self) -> int:
+        """An engine's bf16 KV cache per token: keys and values of every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+
+SHAPES = {  # Qwen2.5's published configs
+    "7B": Shape("7B", 3584, 28, 28, 4, 18944),
+    "14B": Shape("14B", 5120, 48, 40, 8, 13824),
+    "32B": Shape("32B", 5120, 64, 40, 8, 27648),
+    "72B": Shape("72B", 8192, 80, 64, 8, 29568),
+}
+
+
+def train_gib(shape: Shape, tp: int, pp: int, dp: int, tokens: int = 4096, recompute: bool = True,
+              lora: bool = False) -> dict[str, float]:
+    """One train rank's peak, in GiB, by part: bf16 weights (2 B / parameter), fp32 gradients (4 B, Megatron's
+    grad buffer, grad_reduce_in_fp32), fp32 master weights + Adam's two moments (12 B) sharded over DP by the
+    distributed optimizer; LoRA: the base frozen (no gradient or optimizer state; the adapters' are below 1%, left
+    out). Activations of a micro-batch of `tokens` with sequence parallelism (every tensor / TP): all layers of
+    this stage without recompute; with full recompute (uniform, one layer per checkpoint) each layer's input
+    (2h B a token) plus one layer's set. The logits of the last stage: bf16 plus their fp32 gradient (6 B) over
+    vocab / TP. No reference model (use_kl_loss false; with LoRA the reference is the base, adapters off)."""
+    n = shape.params / (tp * pp)
+    layers = shape.layers / pp
+    per_layer = tokens * shape.activation_bytes_per_token_layer() / tp
+    # full recompute keeps each layer's input and one layer's set; without it every layer's set
+    activations = layers * tokens * 2 * shape.hidden / tp + per_layer if recompute else layers * per_layer
+    parts = {"weights": 2 * n, "gradients": 0.0 if lora else 4 * n, "optimizer": 0.0 if lora else 12 * n / dp,
+             "activations": activations, "logits": tokens * shape.vocab / tp * 6}
+    return {k: v / GIB for k, v in parts.items()}
+
+
+def engine_gib(shape: Shape, engine_tp: int, requests: int, context: int) -> dict[str, float]:
+    """One engine GPU, colocated, with the trainer offloaded: bf16 weights and the KV cache of `requests` x
+    `context` tokens (slot cache: allocated whole), both split over the engine's `engine_tp` GPUs."""
+    return {"weights": 2 * shape.params / engine_tp / GIB,
+            "kv cache": requests * context * shape.kv_bytes_per_token() / engine_tp / GIB}
+
+
+# (TP, PP, DP) of four train ranks, in order of preference: the most data parallelism (the least model-parallel
+# communication) first. DP 4 without TP is left out: 7B's state alone is 64 GiB a rank there, no headroom.
+FOUR_GPU_LAYOUTS = [(2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 4, 1)]
+HEADROOM = 0.85  # of USABLE_GIB a layout is picked at: the allocator's fragmentation and what the formulas leave out
+
+
+def four_gpu_fit(shape: Shape, lora: bool = False, recompute: bool = True) -> tuple[tuple[int, int, int], float]:
+    """The first four-GPU train layout of FOUR_GPU_LAYOUTS whose peak per rank is within HEADROOM x USABLE_GIB
+    (heads and KV heads divisible by TP, layers by PP), else the one with the lowest peak; and that peak in GiB."""
+    peaks = {}
+    for tp, pp, dp in FOUR_GPU_LAYOUTS:
+        if shape.heads % tp or shape.kv_heads % tp or shape.layers % pp:
+            continue
+        peaks[(tp, pp, dp)] = sum(train_gib(shape, tp, pp, dp, recompute=recompute, lora=lora).values())
+    for layout, peak in peaks.items():
+        if peak <= HEADROOM * USABLE_GIB:
+            return layout, peak
+    layout = min(peaks, key=peaks.__getitem__)
+    return layout, peaks[layout]
+
+
+def four_gpu_engines(shape: Shape, samples: int = 256, context: int = 2048) -> tuple[int, float]:
+    """The smallest engine TP (1, 2 or 4 GPUs an engine, KV heads divisible) at which one engine GPU holds its
+    weights and the KV cache of its share of a step's `samples` running at once (`context` tokens each) within
+    HEADROOM x USABLE_GIB, else TP 4; and that GPU's GiB."""
+    for engine_tp in (1, 2, 4):
+        if shape.kv_heads % engine_tp:
+            continue
+        gib = sum(engine_gib(shape, engine_tp, samples * engine_tp // 4, context).values())
+        if gib <= HEADROOM * USABLE_GIB or engine_tp == 4:
+            return engine_tp, gib
+    raise AssertionError("unreachable: engine TP 4 is always returned")
+
+
+def four_gpu_table() -> list[str]:
+    rows = ["| model | params | RL | train layout (TP x PP x DP) | train rank peak | of which state | "
+            "engines (256 x 2048 tokens a step) | fits 4 x 80 GB |",
+            "|---|---:|---|---|---:|---:|---|---|"]
+    for shape in SHAPES.values():
+        engine_tp, engine = four_gpu_engines(shape)
+        for lora in (False, True):
+            (tp, pp, dp), peak = four_gpu_fit(shape, lora)
+            parts = train_gib(shape, tp, pp, dp, lora=lora)
+            state = parts["weights"] + parts["gradients"] + parts["optimizer"]
+            fits = "yes" if max(peak, engine) <= USABLE_GIB else "no"
+            rows.append(f"| {shape.name} | {shape.params / 1e9:.2f}B | {'LoRA' if lora else 'full'} | "
+                        f"{tp} x {pp} x {dp} | {peak:.1f} GiB | {state:.1f} GiB | {4 // engine_tp} x TP {engine_tp}: "
+                        f"{engine:.1f} GiB a GPU | {fits} |")
+    return rows
+
+
 def main() -> None:
     print("| GPUs | model | placement | train: TP x PP x EP, DP | engines | state per rank | engine weights "
           "per GPU |")
@@ -142,6 +266,8 @@ def main() -> None:
         print(f"| {lay.gpus} | {lay.model} | {lay.prompts * 8} x {lay.tokens} | {mb:.0f} MB | "
               f"{mb / SHARD_WRITE_MBPS:.1f} s | {mb * ranks / 1e3:.1f} GB | {train:.0f} s | "
               f"{mb * ranks / (0.05 * train) / 1e3:.1f} GB/s | {14 * MODELS[lay.model].params / GB:.0f} GB |")
+    print()
+    print("\n".join(four_gpu_table()))
 
 
 if __name__ == "__main__":

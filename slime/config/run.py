@@ -179,6 +179,19 @@ class ClusterConfig(_Section):
         return data
 
     @property
+    def train_gpus(self) -> int:
+        """Train ranks: actor_num_nodes x actor_num_gpus_per_node."""
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def rollout_gpus(self) -> int:
+        """GPUs of the rollout engines: rollout_num_gpus, or when unset the train GPUs (colocate, share_gpu) or one
+        engine's (decoupled)."""
+        if self.rollout_num_gpus is not None:
+            return self.rollout_num_gpus
+        return self.train_gpus if self.same_gpus else self.rollout_num_gpus_per_engine
+
+    @property
     def same_gpus(self) -> bool:
         """Train ranks and engines on the same GPUs (colocate or share_gpu): weight sync `auto` is tensor."""
         return self.colocate or self.share_gpu

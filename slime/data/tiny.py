@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import random
 import shutil
 import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -44,6 +49,7 @@ KIT_FORMAT_VERSION = 1
 PAD_TOKEN, IM_START, IM_END, UNK_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
 SPLITS = ("train", "eval", "sft")
+KIT_SHARD_BYTES = 5 * 1024**3  # safetensors shards of a drawn-weights (bfloat16) model, as HF's published 7Bs
 
 # ChatML as Qwen2 writes it. `{% generation %}` marks what the assistant produced (content and its closing
 # <|im_end|>) so `return_assistant_tokens_mask=True` gives the SFT loss mask; the "\n" after it is template.
@@ -116,6 +122,11 @@ class ModelRecipe(_Strict):
     rms_norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = True
     vocab_multiple: int = Field(128, gt=0)  # Megatron pads the vocab to a multiple of 128
+    # float32: the model is built by transformers (its seeded init) and saved whole, as every small kit is.
+    # bfloat16: the weights are drawn tensor by tensor (a generator per tensor, seeded by the kit seed and the
+    # tensor's name, on every CPU core) and written in shards of 5 GB with their index, without building the model:
+    # what makes a 7B kit a minute's work (datasets/gpu-7b/recipe.yaml). Dense models without `pretrain` only.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # None: a dense Qwen2. Set: a Qwen3-MoE (qk-norm attention, head_dim hidden_size / num_attention_heads,
     # every MLP sparse; `intermediate_size` is then only the config's width for dense layers, of which it has none).
     moe: MoeRecipe | None = None
@@ -126,6 +137,9 @@ class ModelRecipe(_Strict):
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.dtype != "float32" and self.moe is not None:
+            raise ValueError(f"dtype {self.dtype}: the drawn-weights writer makes dense models only; an MoE kit is "
+                             "float32")
         return self
 
 
@@ -155,10 +169,19 @@ class TinyKitRecipe(_Strict):
     # a base for LoRA, which cannot learn through a random init's frozen embeddings.
     pretrain: PretrainRecipe | None = None
 
+    @model_validator(mode="after")
+    def _pretrain_needs_a_model(self) -> TinyKitRecipe:
+        if self.pretrain is not None and self.model.dtype != "float32":
+            raise ValueError(f"pretrain trains the model transformers builds: model.dtype must be float32, not "
+                             f"{self.model.dtype}")
+        return self
+
     def manifest_json(self) -> dict[str, Any]:
-        """The recipe as kit.json records it (no `pretrain` or `model.moe` key when there is none, as kits built
-        before those fields existed)."""
+        """The recipe as kit.json records it (no `pretrain` or `model.moe` key when there is none, no `model.dtype`
+        when it is float32, as kits built before those fields existed)."""
         dump = self.model_dump(mode="json")
+        if dump["model"]["dtype"] == "float32":
+            del dump["model"]["dtype"]
         if dump["pretrain"] is None:
             del dump["pretrain"]
         if dump["model"]["moe"] is None:
@@ -355,7 +378,7 @@ def _model_config(m: ModelRecipe, vocab_size: int, ids: dict[str, int]) -> Any:
         rms_norm_eps=m.rms_norm_eps,
         tie_word_embeddings=m.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        dtype="float32",
+        dtype=m.dtype,
         **ids,
     )
     if m.moe is None:
@@ -382,6 +405,11 @@ def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTok
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}  # Qwen2 uses <|endoftext|> as bos
     config = _model_config(m, padded_vocab_size(len(tokenizer), m.vocab_multiple), ids)
+    if m.dtype != "float32":
+        count = write_drawn_weights(model_dir, config, recipe.seed)
+        GenerationConfig(**ids).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        return count
     old_dtype = torch.get_default_dtype()
     # Seed the init without disturbing the caller's RNG state or default dtype.
     with torch.random.fork_rng(devices=[]):
@@ -399,11 +427,103 @@ def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTok
     return sum(p.numel() for p in model.parameters())
 
 
+def _tensor_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def drawn_weights(config: Any, seed: int) -> tuple[list[tuple[str, tuple[int, ...]]], Callable[[str], Any]]:
+    """The parameters of `config`'s causal LM as (name, shape), in `named_parameters` order (a tied lm_head is not
+    listed: the checkpoint does not hold it), and `draw(name)`: that tensor in `config`'s dtype, drawn as
+    transformers initialises it (linear and embedding weights N(0, initializer_range^2), the embedding's padding
+    row and biases zero, norm weights one) from a CPU generator seeded by `seed` and `name` alone, so any order
+    or thread gives the same bytes. The model is built on the meta device: no memory, no init."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dtype = getattr(torch, str(config.dtype).removeprefix("torch."))
+    std = config.initializer_range
+    rules: dict[str, tuple[str, int | None]] = {}  # name -> (normal | zeros | ones, padding row)
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, _ in module.named_parameters(recurse=False):
+            name = prefix + leaf
+            if isinstance(module, torch.nn.Embedding):
+                rules[name] = ("normal", module.padding_idx)
+            elif isinstance(module, torch.nn.Linear):
+                rules[name] = ("normal" if leaf == "weight" else "zeros", None)
+            elif "norm" in type(module).__name__.lower() and leaf == "weight":
+                rules[name] = ("ones", None)
+            else:
+                raise ConfigError(f"drawn weights: no init rule for {name} ({type(module).__name__})")
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    def draw(name: str) -> Any:
+        kind, padding = rules[name]
+        if kind != "normal":
+            return (torch.zeros if kind == "zeros" else torch.ones)(shapes[name], dtype=dtype)
+        generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        out = torch.empty(shapes[name], dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+        if padding is not None:
+            out[padding].zero_()
+        return out
+
+    return list(shapes.items()), draw
+
+
+def write_drawn_weights(model_dir: Path, config: Any, seed: int, workers: int | None = None,
+                        max_shard_bytes: int | None = None) -> int:
+    """Write `config`'s model with drawn weights (`drawn_weights`) to `model_dir`: config.json and the weights,
+    sharded as transformers does (slime/data/hf_weights.py), the tensors drawn on `workers` threads (default:
+    every core), at most twice that many ahead of the writer, in shards of `max_shard_bytes` (default
+    KIT_SHARD_BYTES). Returns the parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slime.data.hf_weights import save_hf_weights
+
+    params, draw = drawn_weights(config, seed)
+    workers = workers or os.cpu_count() or 1
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(model_dir)
+
+    def ordered() -> Iterator[tuple[str, Any]]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # parallel across tensors: each generator is sequential anyway
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                names = iter([name for name, _ in params])
+                pending = deque((name, pool.submit(draw, name)) for name in itertools.islice(names, 2 * workers))
+                while pending:
+                    name, future = pending.popleft()
+                    yield name, future.result()
+                    pending.extend((more, pool.submit(draw, more)) for more in itertools.islice(names, 1))
+        finally:
+            torch.set_num_threads(threads)
+
+    save_hf_weights(ordered(), str(model_dir), max_shard_bytes or KIT_SHARD_BYTES)
+    return sum(math.prod(shape) for _, shape in params)
+
+
 # --- kit --------------------------------------------------------------------------------------------
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()  # the largest file is a few MB
+    digest = hashlib.sha256()
+    with path.open("rb") as f:  # in blocks: a 7B kit's shards are 5 GB each
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """`_sha256` of each path, on several threads (hashlib releases the GIL on large blocks)."""
+    if len(paths) < 2:
+        return [_sha256(p) for p in paths]
+    with ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
 
 
 def _existing_kit(root: Path, recipe: TinyKitRecipe) -> TinyKit | None:
@@ -422,8 +542,12 @@ def _existing_kit(root: Path, recipe: TinyKitRecipe) -> TinyKit | None:
     want = {"format_version": KIT_FORMAT_VERSION, "recipe": recipe.manifest_json()}
     if {k: manifest.get(k) for k in want} != want:
         raise ConfigError(f"{root} holds a tiny kit of another recipe; pick another directory or delete it")
-    for rel, digest in manifest["files"].items():
-        if not (root / rel).is_file() or _sha256(root / rel) != digest:
+    rels = list(manifest["files"])
+    for rel in rels:
+        if not (root / rel).is_file():
+            raise DataFormatError(f"{root / rel}: missing or changed since the kit was built; delete {root}")
+    for rel, digest in zip(rels, _sha256_all([root / rel for rel in rels]), strict=True):
+        if digest != manifest["files"][rel]:
             raise DataFormatError(f"{root / rel}: missing or changed since the kit was built; delete {root}")
     return TinyKit.at(root)
 
@@ -438,7 +562,8 @@ def _build(tmp: Path, recipe: TinyKitRecipe) -> dict[str, Any]:
         _write_jsonl(getattr(kit, split), rows[split])
     for p in tmp.rglob("*"):  # safetensors writes 0600 files; the kit is meant to be shared
         p.chmod(0o755 if p.is_dir() else 0o644)
-    files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+    files = {p.relative_to(tmp).as_posix(): d for p, d in zip(paths, _sha256_all(paths), strict=True)}
     manifest = {
         "format_version": KIT_FORMAT_VERSION,
         "recipe": recipe.manifest_json(),

@@ -66,6 +66,22 @@ def lora_engine_args(config: Config) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": config.lora.lora_rank, "lora_target_modules": modules}
 
 
+# SGLang flags the built-in engine takes too, with the same meaning: a `sglang:` value of one reaches it
+BUILTIN_SGLANG_ARGS = ("max_running_requests", "context_length")
+
+
+def builtin_engine_args(config: Config, memory_limit: float | None, num_devices: int) -> list[str]:
+    """The built-in engine's command-line flags from the config: its memory share (`engine_memory_limit`), the LoRA
+    flags of adapter sync, the `sglang:` flags it shares with SGLang (`BUILTIN_SGLANG_ARGS`: how many requests run
+    at once and their context, which size its slot KV cache) and, on several GPUs, `--tp-size`."""
+    extra = ["--mem-fraction-static", str(memory_limit)] if memory_limit is not None else []
+    extra += flags_to_argv(lora_engine_args(config))
+    extra += flags_to_argv({key: config.sglang[key] for key in BUILTIN_SGLANG_ARGS if key in config.sglang})
+    if num_devices > 1:  # cluster.rollout_num_gpus_per_engine: the model split over them (tp_group.py)
+        extra += ["--tp-size", str(num_devices)]
+    return extra
+
+
 def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, devices: list[int],
                   keep: Any = None) -> str:
     """Start engine `index` of a fleet in this process (built-in or SGLang, bound to `engine.engine_host`,
@@ -84,10 +100,7 @@ def launch_engine(config: Config, model_dir: str, log_path: Path, index: int, de
         engine = SGLangEngine(model_dir, sglang_args=sglang_args, log_path=log_path, env=env, host=host)
         keep(engine)
         return reachable_url(engine.start().url, host)
-    extra = ["--mem-fraction-static", str(limit)] if limit is not None else []
-    extra += flags_to_argv(lora_engine_args(c))
-    if len(devices) > 1:  # cluster.rollout_num_gpus_per_engine: the model split over them (tp_group.py)
-        extra += ["--tp-size", str(len(devices))]
+    extra = builtin_engine_args(c, limit, len(devices))
     dtype = str(c.sglang_arg("dtype") or "auto")  # --sglang-dtype, checked when the config loads
     with _launch_lock, _visible_devices(devices):
         server, url = start_builtin_engine(model_dir, log_path=log_path, host=host, random_seed=c.run.seed + index,

@@ -95,11 +95,8 @@ class PlacementPlan:
 
 def plan_placement(cluster: Any, use_gpu: bool) -> PlacementPlan:
     """The bundle layout that `cluster` (a `ClusterConfig`) asks for (see the module docstring)."""
-    train = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+    train, rollout = cluster.train_gpus, cluster.rollout_gpus
     per_engine = cluster.rollout_num_gpus_per_engine
-    rollout = cluster.rollout_num_gpus
-    if rollout is None:
-        rollout = train if cluster.same_gpus else per_engine
     if rollout % per_engine:
         raise ConfigError(f"cluster.rollout_num_gpus {rollout} is not a multiple of rollout_num_gpus_per_engine "
                           f"{per_engine}")

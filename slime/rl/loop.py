@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from slime.config import Config
+from slime.config.layout import check_layout, local_model_config
 from slime.errors import ConfigError, NotCommittedError
 from slime.ray.placement import RayCluster, check_across_nodes, create_placement
 from slime.ray.rollout_manager import RolloutManager
@@ -77,6 +78,8 @@ def check_rl_config(config: Config) -> None:
     else:
         config.require("checkpoint.hf_checkpoint", "run.run_id", "rollout.rollout_batch_size", "data.prompt_data",
                        stage=STAGE)
+    # the train ranks' TP x PP x DP and the engines' split of the model, from the checkpoint's config.json
+    check_layout(config, local_model_config(config.checkpoint.hf_checkpoint))
     if config.rollout.num_rollout is None and config.data.num_epoch is None:
         raise ConfigError("stage 'rl' needs rollout.num_rollout (--num-rollout) or data.num_epoch (--num-epoch)")
     e = config.eval

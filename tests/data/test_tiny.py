@@ -361,6 +361,10 @@ def test_the_default_kit_is_two_digit_addition_on_a_4m_model(tmp_path: Path) -> 
     default = make_tiny_kit(tmp_path / "default")
     manifest = _manifest(default)
     assert 3_500_000 < manifest["param_count"] < 4_500_000
+    # kit.json holds the sha256 of every file: the kit is byte for byte what it was before the drawn-weights
+    # writer (bf16 kits, test_kit_drawn.py) came in beside the transformers-built float32 model
+    assert hashlib.sha256(default.manifest.read_bytes()).hexdigest() == \
+        "aef2cb8b0f536b87390c9883dd76212d60386f94a2913a4af2bd76a50fd99030"
     rows = {split: _jsonl(getattr(default, split)) for split in ("train", "eval")}
     assert (len(rows["train"]), len(rows["eval"]), len(_jsonl(default.sft))) == (2000, 200, 4000)
     for row in rows["train"] + rows["eval"]:

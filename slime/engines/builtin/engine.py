@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from slime import __version__
+from slime.config.layout import check_engine_tp
 from slime.engines.builtin.batch import Request
 from slime.engines.builtin.fusion import weight_slots
 from slime.engines.builtin.lora import LoraAdapters
@@ -39,7 +40,7 @@ from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.engines.builtin.scheduler import Scheduler
 from slime.engines.builtin.slots import slot_support
 from slime.engines.builtin.tp_group import TensorParallel, rank_device
-from slime.engines.builtin.tp_shard import check_tp_config, install_all_reduce, shard_parameters
+from slime.engines.builtin.tp_shard import install_all_reduce, shard_parameters
 from slime.engines.builtin.weights import WeightChecker, WeightUpdater, mtp_layers, mtp_tensor_names
 from slime.errors import ConfigError, EngineStartError
 from slime.offload import HostParking
@@ -188,7 +189,7 @@ class BuiltinEngine:
         config = AutoConfig.from_pretrained(args.model_path)
         check_moe_config(config)  # a router the engine cannot run is refused before any weight is read
         if args.tp_size != 1:  # so is a bad split
-            check_tp_config(config, args.tp_size)
+            check_engine_tp(config, args.tp_size)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.model = load_model(args.model_path, self.device, self.dtype)
         self.model_path = args.model_path

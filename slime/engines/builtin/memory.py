@@ -9,6 +9,10 @@ its part: `fraction` of the GPU's memory. Two things hold it there:
 * the slot KV cache (`kv_cache="slots"`, allocated at the first request) is sized to fit: at most
   `KV_SHARE` of what the budget leaves after the weights and the compile reserve, the rest kept for prefill
   activations, logits and the CUDA graphs' pools; the scheduler then runs at most that many requests at once.
+  With `--tp-size N` the budget is each rank's (every rank caps its own process at `fraction` of its GPU) and so
+  are the weights (rank 0's slices after sharding) and a slot (num_key_value_heads / N heads): a slot costs each
+  rank 1/N of what it costs one unsplit engine, so the same fraction holds about N times the slots (less where
+  the replicated embeddings and lm_head leave less of the budget).
 
 The compile reserve is twice the GPU's L2 cache size (2 x 50 MiB on an H100). The engine's torch.compile'd
 kernels (sampler, fused norms, rotary and K/V write) are autotuned at their first call with each new shape,
@@ -34,12 +38,13 @@ KV_SHARE = 0.5  # of the budget left after the weights and the compile reserve, 
 COMPILE_RESERVE_L2 = 2  # L2 cache sizes kept for inductor's autotuning buffer and the allocator's split blocks
 
 
-def slot_bytes(model: Any, max_len: int) -> int:
-    """Bytes of one slot of the slot KV cache: keys and values of `max_len` tokens in every layer."""
+def slot_bytes(model: Any, max_len: int, tp_size: int = 1) -> int:
+    """Bytes of one slot of the slot KV cache on one rank: keys and values of `max_len` tokens in every layer, for
+    the rank's own key/value heads (`--tp-size N`: each rank holds num_key_value_heads / N of them, tp_shard.py)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * max_len * element
+    return 2 * config.num_hidden_layers * (config.num_key_value_heads // tp_size) * head_dim * max_len * element
 
 
 def compile_reserve(device: torch.device) -> int:
@@ -67,7 +72,10 @@ def apply_memory_budget(scheduler: Any, model: Any, device: torch.device, fracti
     reserved = compile_reserve(device)
     decided: dict[str, Any] = {"budget_bytes": budget, "weights_bytes": weights, "reserved_bytes": reserved}
     if scheduler.kv_cache == "slots":
-        per_slot = slot_bytes(model, scheduler.context_length)
+        # this rank's share of the heads; every rank allocates the same number of slots (rank 0 announces it) and
+        # holds the same weights' share, so what fits here fits on each follower under its own cap (tp_worker.py)
+        world = scheduler.tp.world if scheduler.tp is not None else 1
+        per_slot = slot_bytes(model, scheduler.context_length, world)
         fit = fitting_slots(budget, weights, per_slot, reserved)
         if fit < 1:
             raise ValueError(

@@ -68,6 +68,16 @@ def _groups(store: dist.Store, rank: int, world: int, device: torch.device,
         options._timeout = timeout
         with torch.cuda.device(device):
             data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world, options)
+            # NCCL makes its communicator at a group's first collective: make it here, every rank at once on its own
+            # device, rather than at whatever first needs it (a prefill on the model thread, or the warm-up of a
+            # decode graph's capture on a side stream), so that a broken NCCL set-up fails the engine's start
+            # instead of hanging its first request
+            probe = torch.ones(1, device=device)
+            data.allreduce([probe]).wait()
+            torch.cuda.synchronize(device)
+            if int(probe.item()) != world:
+                raise EngineStartError(f"tensor parallel: the NCCL all-reduce of rank {rank} gave {probe.item()}, "
+                                       f"expected {world}")
     else:
         data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, world, timeout)
     return control, data

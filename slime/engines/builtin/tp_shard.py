@@ -9,7 +9,8 @@ prefill, the weight updates) runs unchanged on every rank over its own slices:
   [r H/N, (r+1) H/N) and key/value heads [r K/N, (r+1) K/N), so each rank's query heads keep their own KV heads,
   GQA groups intact); o_proj row-parallel (columns of the weight), its output summed over the ranks (all-reduce),
   its bias added once after the sum. Both H and K must be divisible by N: KV heads are split, never replicated
-  (`check_tp_config`). Qwen3's q/k norms act per head ([head_dim] weights): replicated.
+  (`check_engine_tp` in slime/config/layout.py, which the RL stage also runs on the config before anything
+  starts). Qwen3's q/k norms act per head ([head_dim] weights): replicated.
 * dense MLP: gate_proj and up_proj column-parallel (rows), down_proj row-parallel + all-reduce.
 * MoE (Qwen3-MoE, GLM-4.5; moe.py): every rank holds every expert, each expert's intermediate dimension split (rows
   of the gate and of the up half of the fused `gate_up_proj` [E, 2I, H], columns of `down_proj` [E, H, I]), the
@@ -83,26 +84,6 @@ def full_shape(name: str, shape: torch.Size | tuple[int, ...], world: int) -> tu
     out = list(shape)
     out[rule[0]] *= world
     return tuple(out)
-
-
-def check_tp_config(config: Any, world: int) -> None:
-    """ConfigError, before any weight is loaded or rank started, when `config`'s model cannot be split in `world`
-    ranks: whole attention heads and whole KV heads per rank (KV heads are split, not replicated), equal MLP and
-    expert slices."""
-    if world < 1:
-        raise ConfigError(f"--tp-size must be at least 1, got {world}")
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
-    if getattr(config, "moe_intermediate_size", None):
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
-    if getattr(config, "intermediate_size", None):
-        sizes["intermediate_size"] = config.intermediate_size
-    bad = [f"{key} {value}" for key, value in sizes.items() if value % world]
-    if bad:
-        raise ConfigError(f"--tp-size {world} does not divide {', '.join(bad)} of {config.model_type} model: each "
-                          "rank takes whole attention heads and whole key/value heads (they are split, not "
-                          f"replicated) and an equal slice of the MLP; use a --tp-size dividing "
-                          f"{', '.join(str(v) for v in sizes.values())}")
 
 
 def shard_parameters(model: torch.nn.Module, rank: int, world: int) -> int:

@@ -11,6 +11,7 @@ release. It samples nothing: rank 0 does, from logits every rank computes (repli
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     # the whole process group of a stopped server gets these: rank 0 shuts down first and then tells us to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `kill -USR1 <pid>` prints where every thread of this rank is (a collective that never ends, a graph capture)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s tp{ns.rank} %(name)s: %(message)s")
     _exit_with_parent()
     args = EngineArgs(**json.loads(ns.engine_args))
