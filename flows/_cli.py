@@ -36,6 +36,7 @@ from prefect.settings import (
 from flows._stage import resolve_run
 from slime.config_reference import ConfigFlagsHelp
 from slime.errors import SlimeError
+from slime.preflight import HOST_STAGES
 from slime.signals import sigterm_as_exit
 from slime.storage.lease import check_free
 
@@ -131,7 +132,8 @@ def main(flow: Flow, argv: list[str] | None = None, takes_model: bool = False,
     params = parse(f"python -m flows.{module}", flow.description or flow.name, argv,
                    takes_model)
     try:  # the config, its kit, its input paths and the run's lease, before Prefect and its API server start
-        config, _ = resolve_run(params["config"], params["overrides"], params["store"], params["run_id"])
+        config, _ = resolve_run(params["config"], params["overrides"], params["store"], params["run_id"],
+                                needs_device=module not in HOST_STAGES)
         check_free(config, module, watch=bool(config.eval.eval_watch_run))
     except SlimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -21,12 +21,13 @@ from tasks._report import publish_stage_report
 
 
 def resolve_run(config: str, overrides: list[str] | None, store: str | None, run_id: str | None, *,
-                prepare: bool = True) -> tuple[Config, str]:
+                prepare: bool = True, needs_device: bool = True) -> tuple[Config, str]:
     """The validated config (file, then overrides, then `store`/`run_id`) and the run id to use.
 
     Without a run id anywhere, the run is named after the flow run's scheduled start time
     (`run-YYYYmmdd-HHMMSS`), the same value the flow run name shows. `prepare`: the kit is built when
-    missing and every input path checked (slime.preflight), before any task starts.
+    missing and every input path checked (slime.preflight), before any task starts; `needs_device` False for
+    the stages that run without a GPU (convert, export), so a GPU configuration is not refused on a CPU machine.
     """
     tokens = list(overrides or [])
     if store:
@@ -39,7 +40,7 @@ def resolve_run(config: str, overrides: list[str] | None, store: str | None, run
         resolved = resolved.model_copy(update={"run": resolved.run.model_copy(
             update={"run_id": f"run-{started.strftime('%Y%m%d-%H%M%S')}"})})
     if prepare:
-        resolved = prepare_run(resolved)
+        resolved = prepare_run(resolved, needs_device=needs_device)
     return resolved, resolved.run.run_id
 
 

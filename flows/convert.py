@@ -19,7 +19,7 @@ from tasks.convert import OUTPUT_NAME, convert
 def convert_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, store: str | None = None,
                  run_id: str | None = None) -> dict[str, Any]:
     """Convert the HF checkpoint (checkpoint.hf_checkpoint) into the run's Megatron checkpoint."""
-    cfg, run_id = resolve_run(config, overrides, store, run_id)
+    cfg, run_id = resolve_run(config, overrides, store, run_id, needs_device=False)
     cfg.require("checkpoint.hf_checkpoint", stage="convert")
     return run_stage(convert, cfg, run_id, {"hf_checkpoint": cfg.checkpoint.hf_checkpoint},
                      output_uri(cfg, run_id, "convert", OUTPUT_NAME))

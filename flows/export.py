@@ -24,7 +24,7 @@ MODEL_STAGES = ("rl", "sft", "convert")
 def export_flow(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None, store: str | None = None,
                 run_id: str | None = None, model: str | None = None) -> dict[str, Any]:
     """Export `model` (default: the run's newest model checkpoint) as an HF directory."""
-    cfg, run_id = resolve_run(config, overrides, store, run_id)
+    cfg, run_id = resolve_run(config, overrides, store, run_id, needs_device=False)
     inputs = {"load": model or newest_model(cfg, run_id, MODEL_STAGES)}
     if cfg.export.origin_hf_dir:
         inputs["origin_hf_dir"] = cfg.export.origin_hf_dir

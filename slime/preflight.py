@@ -4,6 +4,10 @@ line that names the config field, the path and where the field was set.
 `prepare_run(config, stage)` is called by every entry point right after the config is loaded (`slime <stage>`,
 the flows, so also `slime pipeline` and the deployments). In order:
 
+0. a GPU configuration (Megatron in bf16 or fp16) on a machine where torch sees no CUDA device is refused, before
+   anything is built: on the CPU build of torch it would run, hours slower and unannounced (gpu-small's SFT at
+   ~40 s a step on two cores). Conversion and export need no GPU, nor a run on a Ray cluster elsewhere
+   (`cluster.ray_address`), whose driver may sit on a CPU head node;
 1. the generated kit (`kit.kit_recipe` built into `kit.kit_dir`, slime/data/tiny.py) is built when that
    directory holds none, so a fresh clone runs without a separate set-up command;
 2. outputs are placed under `{store}/{run_id}`: a relative `checkpoint.save`, `checkpoint.save_hf` or
@@ -33,14 +37,38 @@ OUTPUT_PATH_FIELDS = ("checkpoint.save", "checkpoint.save_hf", "export.output_di
 HF_FIELDS = ("checkpoint.hf_checkpoint", "export.origin_hf_dir")  # HF model directories
 DATA_FIELDS = ("data.prompt_data", "sft.sft_data", "rejection_sampling.rs_prompt_data", "eval.eval_prompt_data")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+HOST_STAGES = ("convert", "export")  # checkpoint reading and writing: no accelerator needed
+GPU_PRECISIONS = ("bf16", "fp16")  # megatron options a CPU run never asks for
 
 
-def prepare_run(config: Config, stage: str | None = None) -> Config:
-    """The kit built, outputs placed for `stage` (None: only relative outputs are placed), inputs checked."""
+def prepare_run(config: Config, stage: str | None = None, *, needs_device: bool = True) -> Config:
+    """The device checked, the kit built, outputs placed for `stage` (None: only relative outputs are placed),
+    inputs checked. `needs_device` False: the caller converts or exports only (as `stage` convert/export say)."""
+    if needs_device and stage not in HOST_STAGES:
+        check_device(config)
     ensure_kit(config)
     config = place_outputs(config, stage)
     check_inputs(config)
     return config
+
+
+def check_device(config: Config) -> None:
+    """ConfigError when the config asks for a GPU run (megatron bf16/fp16) on a local cluster and torch sees no CUDA
+    device, naming the field, where it was set, and the torch build."""
+    wanted = [name for name in GPU_PRECISIONS if config.megatron.get(name)]
+    if not wanted or config.cluster.ray_address:
+        return
+    import torch  # heavy; the stage imports it next anyway
+
+    if torch.cuda.is_available():
+        return
+    build = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
+             else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA device or driver")
+    field = f"megatron.{wanted[0]}"
+    raise ConfigError(f"{field} is set{_set_at(config, field)}: this is a GPU configuration, but {build}. Install the "
+                      "CUDA build on a GPU machine (README.md, 'On your GPUs': make install TORCH_SPEC=\"torch==2.14.1\" "
+                      "EXTRAS=\"test,gpu\"), or on CPU run deployments/tiny-cpu.yaml; convert and export run without "
+                      "a GPU, and a run on a Ray cluster elsewhere (cluster.ray_address) is not checked here")
 
 
 def _get(config: Config, dotted: str) -> Any:

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slime.config import load_config
-from slime.errors import InputNotFoundError
-from slime.preflight import check_inputs, ensure_kit, place_outputs, prepare_run
+from slime.errors import ConfigError, InputNotFoundError
+from slime.preflight import check_device, check_inputs, ensure_kit, place_outputs, prepare_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_RECIPE = ROOT / "tests" / "tiny_kit_recipe.yaml"
@@ -121,3 +122,33 @@ def test_a_fresh_checkout_runs_the_pipeline_without_make(tmp_path):
     assert not (clone / "runs" / "x" / ".lease.json").exists()  # released
     assert sorted(p.name for p in clone.iterdir()) == ["datasets", "deployments", "runs"]
     assert "exported HF model" in done.stdout
+
+
+def _gpu_config(tmp_path: Path, extra: str = "") -> Path:
+    """The test kit's config plus Megatron in bf16 (as deployments/gpu-small.yaml asks), on this CPU machine."""
+    path = kit_config(tmp_path, TEST_RECIPE.read_text())
+    path.write_text(path.read_text() + "megatron:\n  bf16: true\n" + extra)
+    return path
+
+
+def test_a_gpu_configuration_without_cuda_is_refused_before_the_kit_is_built(tmp_path, monkeypatch):
+    """gpu-small.yaml on the CPU build of torch trained its SFT at ~40 s a step (585 steps), unannounced."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(_gpu_config(tmp_path))
+    for stage in (None, "sft", "rl", "rejection_sampling", "evaluate"):
+        with pytest.raises(ConfigError, match=r"megatron.bf16 is set \(set at .*c.yaml:\d+\): this is a GPU "
+                                              r"configuration, but torch .* TORCH_SPEC=\"torch==2.14.1\""):
+            prepare_run(config, stage)
+    assert not (tmp_path / "kits" / "mine").exists()  # refused before the kit was built
+    prepare_run(config, "convert")  # conversion and export read and write checkpoints on the host
+    prepare_run(config, needs_device=False)
+    assert (tmp_path / "kits" / "mine" / "kit.json").exists()
+
+
+def test_a_cluster_elsewhere_or_an_fp32_config_is_not_checked_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    remote = load_config(_gpu_config(tmp_path, "cluster:\n  ray_address: 10.0.0.1:6379\n"))
+    check_device(remote)  # the driver may sit on a CPU head node of a GPU cluster
+    check_device(load_config(kit_config(tmp_path, TEST_RECIPE.read_text())))  # the CPU default: fp32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_device(load_config(_gpu_config(tmp_path)))  # a GPU machine
