@@ -122,23 +122,41 @@ def engines(tiny_kit):
 
 
 def _generate(engine, prompts_first, prompts_late, temperature):
-    """A group of unequal prompts, then (once it decodes) a second group into the slots after it. Each group is
-    one batched body, so its requests are submitted together and admitted as one group however loaded the
-    machine is."""
+    """A group of unequal prompts, then a second group into the slots after it while it decodes. Each group is one
+    batched body (submitted together, admitted as one group). The model thread pauses itself right after the first
+    group's prefill and resumes once the late group waits, past the admission window, so the late group joins the
+    four running rows however loaded the machine is (waiting on step counts instead let a loaded machine finish
+    the first group first: CI saw the late group at slot 3, then at slot 0)."""
+    scheduler = engine.scheduler
+
     def body(prompts, new_tokens):
         return {"input_ids": prompts, "return_logprob": True,
                 "sampling_params": [{"max_new_tokens": new_tokens + 3 * i, "temperature": temperature,
                                      "sampling_seed": sum(p), "ignore_eos": True} for i, p in enumerate(prompts)]}
 
+    real_prefill = scheduler._prefill
+
+    def prefill_then_pause(requests, generate=True):
+        real_prefill(requests, generate)
+        if len(requests) == len(prompts_first):
+            scheduler.pause()
+
     async def go():
         first = asyncio.ensure_future(engine.generate(body(prompts_first, 14)))
-        start = engine.scheduler.steps
-        while engine.scheduler.steps < start + 3:
+        while not scheduler.paused:
             await asyncio.sleep(0.002)
-        late = await engine.generate(body(prompts_late, 8))
-        return await first + late
+        late = asyncio.ensure_future(engine.generate(body(prompts_late, 8)))
+        while len(scheduler._waiting) < len(prompts_late):
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(5 * scheduler.admission_window_s)  # the late group is closed: admitted at the next step
+        scheduler.resume()
+        return await first + await late
 
-    return asyncio.run(go())
+    scheduler._prefill = prefill_then_pause
+    try:
+        return asyncio.run(go())
+    finally:
+        del scheduler._prefill  # the class's method again
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -162,11 +180,7 @@ def test_engine_generates_the_same_with_and_without_the_slot_prefill(engines, mo
         for hook in hooks:
             hook.remove()
     assert forwards[False] == 0 and forwards[True] >= 2  # the transformers forward ran only with the flag
-    # the late group went into the slots after the first group's running rows: all four of them, unless a
-    # loaded machine let the model thread run past the first group's shortest request (14 tokens) before the
-    # late group arrived (CI saw (2, 3) once); its slot prefill still started above slot 0
-    assert prefills[0] == (4, 0) and len(prefills) == 2, prefills
-    assert prefills[1][0] == 2 and 1 <= prefills[1][1] <= 4, prefills
+    assert prefills == [(4, 0), (2, 4)]  # the late group went into the slots after the first group's four rows
     for with_it, without in zip(replies[False], replies[True], strict=True):
         assert with_it["output_ids"] == without["output_ids"]
         gaps = [abs(a[0] - b[0]) for a, b in zip(with_it["meta_info"]["output_token_logprobs"],
