@@ -28,9 +28,9 @@ from slime.config import (
     _field_kind,
     megatron_flag_names,
 )
-from slime.engine_flags import PINNED_SGLANG_VERSION, RENAMED_SGLANG_ARGS, RESERVED_SGLANG_ARGS
-from slime.megatron_flags import launch_flag_table_markdown
-from slime.slime_flags import (
+from slime.config.engine_flags import PINNED_SGLANG_VERSION, RENAMED_SGLANG_ARGS, RESERVED_SGLANG_ARGS
+from slime.config.megatron_flags import launch_flag_table_markdown
+from slime.config.slime_flags import (
     DEFAULTS_DIFFER,
     LAUNCHER_REFUSED,
     LAUNCHER_ROUTER,
@@ -78,7 +78,7 @@ def reference_markdown() -> str:
         "(`--recompute-granularity`, dropouts, fusions) go into the model; its shape flags "
         "(`--num-layers`, ...) must equal the checkpoint's; Megatron-LM's `--no-rope-fusion` & co. set the "
         "fusion they name off; Megatron-LM's other launch flags of slime's scripts (`--accumulate-allreduce-grads-in-fp32`, "
-        "`--rotary-percent`, ...) are in the last table below (`slime/megatron_flags.py`) |",
+        "`--rotary-percent`, ...) are in the last table below (`slime/config/megatron_flags.py`) |",
         "",
         flag_table_markdown(),
         "",
@@ -232,7 +232,7 @@ def flag_table_markdown() -> str:
         "## slime's flags",
         "",
         f"Every flag THUDM/slime defines in `slime/utils/arguments.py` (commit {source_commit()[:8]}, "
-        f"{len(flags)} flags: `slime/slime_flags.tsv`) and what this project does with it: "
+        f"{len(flags)} flags: `slime/config/slime_flags.tsv`) and what this project does with it: "
         + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("accepted", "mapped", "refused")) + ". "
         "A refused flag stops `load_config` with its reason; a mapped one is logged once, and so is an accepted "
         "one that slime's own code never reads (its note says so: only plugins do).",

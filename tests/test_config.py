@@ -348,7 +348,7 @@ def test_rollout_http_timeout_defaults_to_none_and_is_not_below_the_routers(tmp_
     allows: at least --router-request-timeout-secs, else sglang-router's own default."""
     from sglang_router.router_args import RouterArgs
 
-    from slime.engine_flags import ROUTER_REQUEST_TIMEOUT_S
+    from slime.config.engine_flags import ROUTER_REQUEST_TIMEOUT_S
 
     assert RouterArgs.request_timeout_secs == ROUTER_REQUEST_TIMEOUT_S  # the installed router's default
     assert load_config(None, []).rollout.rollout_http_timeout_s is None

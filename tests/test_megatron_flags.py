@@ -1,4 +1,4 @@
-"""Megatron-LM's `--no-X` fusion flags, checkpoint-loading flags and other launch flags on slime command lines (slime/megatron_flags.py,
+"""Megatron-LM's `--no-X` fusion flags, checkpoint-loading flags and other launch flags on slime command lines (slime/config/megatron_flags.py,
 the checkpoint section in slime/config/checkpoint.py): they were refused as unknown options."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import types
 import pytest
 
 from slime.config import load_config
+from slime.config.megatron_flags import LAUNCH, NEGATED, checkpoint_mismatches
 from slime.errors import ConfigError
-from slime.megatron_flags import LAUNCH, NEGATED, checkpoint_mismatches
 
 # Megatron-LM's flag -> the TransformerConfig field it turns off (megatron/training/arguments.py and
 # argument_utils.py, NVIDIA/Megatron-LM d98e8a6); written out here so a changed table fails a test

@@ -1,4 +1,4 @@
-"""Every flag of slime's own argument parser (slime/slime_flags.tsv) is accepted with slime's name, type and
+"""Every flag of slime's own argument parser (slime/config/slime_flags.tsv) is accepted with slime's name, type and
 default, or refused with a one-line reason naming the flag: a slime launch script never has a flag silently
 ignored."""
 
@@ -12,9 +12,7 @@ from typing import Any
 import pytest
 
 from slime.config import FIELD_SECTION, Config, _field_kind, load_config
-from slime.config_reference import classify, flag_table_markdown, summary
-from slime.errors import ConfigError
-from slime.slime_flags import (
+from slime.config.slime_flags import (
     DEFAULTS_DIFFER,
     MAPPED,
     PLUGIN_ONLY,
@@ -23,6 +21,8 @@ from slime.slime_flags import (
     slime_flags,
     source_commit,
 )
+from slime.config_reference import classify, flag_table_markdown, summary
+from slime.errors import ConfigError
 
 FLAGS = slime_flags()
 

@@ -7,11 +7,10 @@ import logging
 
 import pytest
 
-from slime import engine_flags
-from slime.config import load_config
-from slime.engine_flags import RENAMED_SGLANG_ARGS, pinned_sglang_flags, renamed_sglang_args
+from slime.config import engine_flags, load_config
+from slime.config.engine_flags import RENAMED_SGLANG_ARGS, pinned_sglang_flags, renamed_sglang_args
+from slime.config.slime_flags import LAUNCHER_REFUSED, LAUNCHER_ROUTER, RAY_CLI, REFUSED, slime_flags
 from slime.errors import ConfigError
-from slime.slime_flags import LAUNCHER_REFUSED, LAUNCHER_ROUTER, RAY_CLI, REFUSED, slime_flags
 
 # scripts/run-glm5-744B-A40B.sh's SGLANG_ARGS, verbatim (comments and blank lines dropped)
 GLM5_SGLANG_ARGS = ["--rollout-num-gpus-per-engine", "64", "--sglang-mem-fraction-static", "0.70",
@@ -89,7 +88,7 @@ def test_slimes_router_timeout_flag_sets_the_routers_option(caplog):
 
 def test_router_table_targets_are_router_options_and_no_config_fields():
     from slime.config import FIELD_SECTION
-    from slime.engine_flags import check_router_args
+    from slime.config.engine_flags import check_router_args
 
     for name, (option, _) in LAUNCHER_ROUTER.items():
         assert name.startswith("sglang_router_") and name not in FIELD_SECTION
@@ -185,7 +184,7 @@ def test_ray_command_line_options_stay_unknown_and_say_whose_they_are(tokens):
 
 def test_ray_options_are_not_names_this_project_accepts():
     from slime.config import FIELD_SECTION, megatron_flag_names
-    from slime.megatron_flags import LAUNCH
+    from slime.config.megatron_flags import LAUNCH
 
     assert not set(RAY_CLI) & (set(FIELD_SECTION) | megatron_flag_names() | set(LAUNCH) | set(REFUSED))
     assert "runtime_env_json" in RAY_CLI and "--train-env-vars" in RAY_CLI["runtime_env_json"]

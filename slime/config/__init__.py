@@ -10,7 +10,7 @@ pass-through dicts instead of typed fields:
 * `megatron`: Megatron flags that slime does not model itself (`--tensor-model-parallel-size 2`),
   checked against megatron-core's config dataclasses when an unknown flag is seen; the model's own
   (`TransformerConfig`) options reach the model through `bridge.model_options`. Megatron-LM's `--no-X`
-  fusion flags are stored as the option they set False (`slime/megatron_flags.py`).
+  fusion flags are stored as the option they set False (`slime/config/megatron_flags.py`).
 
 Errors name the file and line (YAML) or the flag (CLI) that is wrong. `section_hash` gives a stable
 content hash of any section, which the orchestration layer uses as a cache key.

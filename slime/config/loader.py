@@ -13,14 +13,14 @@ import yaml
 from pydantic import ValidationError
 
 from slime.config.base import _suggest
+from slime.config.engine_flags import RENAMED_SGLANG_ARGS, flag_key, known_sglang_flags, renamed_sglang_args
+from slime.config.megatron_flags import LAUNCH, NEGATED, no_effect_notes
 from slime.config.overrides import _scalar, parse_overrides
 from slime.config.passthrough import megatron_flag_names
+from slime.config.slime_flags import LAUNCHER_ROUTER, MAPPED, PLUGIN_ONLY, refusal
 from slime.config.tree import _PASS_THROUGH, _TYPED_SECTIONS, FIELD_SECTION, Config
 from slime.config.validate import validate
-from slime.engine_flags import RENAMED_SGLANG_ARGS, flag_key, known_sglang_flags, renamed_sglang_args
 from slime.errors import ConfigError
-from slime.megatron_flags import LAUNCH, NEGATED, no_effect_notes
-from slime.slime_flags import LAUNCHER_ROUTER, MAPPED, PLUGIN_ONLY, refusal
 
 logger = logging.getLogger(__name__)
 

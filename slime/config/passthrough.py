@@ -1,6 +1,6 @@
 """Checks of the pass-through sections: `sglang` and `router` flags against SGLang's and sglang-router's own
 tables, `megatron` options against megatron-core's config dataclasses (`megatron_flag_names`) and Megatron-LM's
-launch flags (slime/megatron_flags.py)."""
+launch flags (slime/config/megatron_flags.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import functools
 import warnings
 
 from slime.config.base import Fail, _suggest
+from slime.config.engine_flags import check_router_args, check_sglang_args
+from slime.config.megatron_flags import LAUNCH, LAUNCH_ACCEPTED, launch_problems, option_problems
+from slime.config.slime_flags import RAY_CLI, refusal
 from slime.config.tree import FIELD_SECTION, Config
-from slime.engine_flags import check_router_args, check_sglang_args
 from slime.errors import ConfigError
-from slime.megatron_flags import LAUNCH, LAUNCH_ACCEPTED, launch_problems, option_problems
-from slime.slime_flags import RAY_CLI, refusal
 
 
 def check_engine_args(config: Config, where: dict[str, str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from slime.config.base import ConfigTree, Fail, _Section
-from slime.engine_flags import DTYPES, external_engine_urls, request_timeout_s
+from slime.config.engine_flags import DTYPES, external_engine_urls, request_timeout_s
 from slime.errors import ConfigError
 
 

@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from slime.config.base import Fail
 from slime.config.checkpoint import CheckpointConfig
 from slime.config.lora import LoraConfig
+from slime.config.megatron_flags import negated_options, renamed_options
 from slime.config.rollout import DataConfig, EngineConfig, EvalConfig, RewardConfig, RolloutConfig
 from slime.config.run import ClusterConfig, KitConfig, RunConfig
 from slime.config.stages import ExportConfig, RejectionSamplingConfig
 from slime.config.sync import SyncConfig
 from slime.config.training import AlgorithmConfig, SftConfig, TrainConfig
 from slime.errors import ConfigError
-from slime.megatron_flags import negated_options, renamed_options
 
 
 class Config(BaseModel):

@@ -32,7 +32,7 @@ from typing import Any, Self
 import httpx
 
 from slime.config import Config
-from slime.engine_flags import external_engine_urls, flag_key
+from slime.config.engine_flags import external_engine_urls, flag_key
 from slime.engines.host import EngineHost, RemoteEngine
 from slime.engines.launch import launch_engine
 from slime.engines.router import SGLangRouter

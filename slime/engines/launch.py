@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import LORA_HF_TO_MEGATRON, Config
-from slime.engine_flags import flags_to_argv
+from slime.config.engine_flags import flags_to_argv
 from slime.engines.builtin.launcher import start_builtin_engine
 from slime.engines.sglang_server import SGLangEngine
 

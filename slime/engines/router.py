@@ -33,7 +33,7 @@ from typing import Any, Self
 
 import httpx
 
-from slime.engine_flags import check_router_args, flag_key, flags_to_argv
+from slime.config.engine_flags import check_router_args, flag_key, flags_to_argv
 from slime.engines.client import EngineClient
 from slime.engines.process import ServerProcess, local_host, server_url, start_server
 from slime.errors import ConfigError, EngineError, EngineHTTPError, EngineStartError

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from slime.engine_flags import check_sglang_args, flag_key, flags_to_argv
+from slime.config.engine_flags import check_sglang_args, flag_key, flags_to_argv
 from slime.engines.process import ServerProcess, local_host, server_url, start_server
 from slime.net import find_free_port
 

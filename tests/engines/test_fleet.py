@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from slime.config import load_config
-from slime.engine_flags import external_engine_urls
+from slime.config.engine_flags import external_engine_urls
 from slime.engines.fleet import EngineFleet, wait_external_engine
 from slime.errors import ConfigError, EngineError, EngineStartError
 from slime.net import find_free_port

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from proc_checks import port_free, running
 
-from slime.engine_flags import flags_to_argv
+from slime.config.engine_flags import flags_to_argv
 from slime.engines.process import ServerProcess, server_url, start_server
 from slime.errors import EngineStartError
 from slime.net import find_free_port

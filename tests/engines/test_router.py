@@ -17,7 +17,7 @@ import httpx
 import pytest
 from proc_checks import port_free, running
 
-from slime.engine_flags import check_router_args
+from slime.config.engine_flags import check_router_args
 from slime.engines.client import EngineClient
 from slime.engines.router import SGLangRouter, broadcast_to_workers
 from slime.errors import ConfigError, EngineError, EngineHTTPError

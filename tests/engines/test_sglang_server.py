@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from slime import engine_flags
-from slime.engine_flags import check_sglang_args, known_sglang_flags, pinned_sglang_flags
+from slime.config import engine_flags
+from slime.config.engine_flags import check_sglang_args, known_sglang_flags, pinned_sglang_flags
 from slime.engines.sglang_server import SGLangEngine, build_sglang_command
 from slime.errors import ConfigError, EngineStartError
 

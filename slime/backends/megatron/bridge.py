@@ -73,8 +73,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from slime.compiled import triton_on_cuda
+from slime.config.megatron_flags import checkpoint_mismatches
 from slime.errors import ConfigError
-from slime.megatron_flags import checkpoint_mismatches
 from slime.net import find_free_port
 
 logger = logging.getLogger(__name__)

@@ -37,8 +37,8 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from slime.config.megatron_flags import SCOPES, check_options, option_problems, requested  # noqa: F401 (this module's API)
 from slime.errors import ConfigError
-from slime.megatron_flags import SCOPES, check_options, option_problems, requested  # noqa: F401 (this module's API)
 
 _CAPTURED: weakref.WeakKeyDictionary[Any, frozenset[tuple[int, ...]]] = weakref.WeakKeyDictionary()
 

@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from slime.engine_flags import DTYPES
+from slime.config.engine_flags import DTYPES
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.sampling import BadRequestError, SamplingParams
 from slime.errors import SlimeError

@@ -1,5 +1,5 @@
 """Run in a subprocess by test_launch_flags.py (megatron's parallel state is per process): Megatron-LM's
-model-shaping launch flags (--rotary-percent & co., slime/megatron_flags.py) are checked against the checkpoint
+model-shaping launch flags (--rotary-percent & co., slime/config/megatron_flags.py) are checked against the checkpoint
 when the bridge is made: an agreeing value builds, another is refused naming the flag and the checkpoint's value.
 
     python launch_flags.py HF_DIR   -> prints one JSON line per case
@@ -9,8 +9,8 @@ import json
 import sys
 
 from slime.backends.megatron.bridge import init_megatron, make_bridge
+from slime.config.megatron_flags import renamed_options
 from slime.errors import ConfigError
-from slime.megatron_flags import renamed_options
 
 CASES = {
     "agree": {"rotary_percent": 1.0, "use_rope_scaling": False, "apply_layernorm_1p": False, "num_experts": None,

@@ -255,7 +255,7 @@ def launch_flag_table_markdown() -> str:
         "## Megatron-LM launch flags",
         "",
         "Megatron-LM flags that slime's launch scripts pass and that are not megatron-core config fields "
-        "(`slime/megatron_flags.py`). `renamed`: the value goes to the named megatron-core field; `agrees`: this "
+        "(`slime/config/megatron_flags.py`). `renamed`: the value goes to the named megatron-core field; `agrees`: this "
         "project always builds that way, another value is refused; `checkpoint`: shapes the model, accepted only "
         "when it equals what the HF checkpoint gives (checked when the bridge is made); `no_effect`: accepted and "
         "logged, the note says what does the job here; `refused`: stops `load_config` with the reason. Any other "

@@ -139,7 +139,7 @@ def _flag(key: str) -> str:
 @functools.cache
 def pinned_sglang_flags() -> frozenset[str]:
     """Launch flags of the pinned SGLang version, from `sglang_flags.txt` (`--mem-fraction-static`, ...)."""
-    text = resources.files("slime").joinpath("sglang_flags.txt").read_text(encoding="utf-8")
+    text = resources.files("slime.config").joinpath("sglang_flags.txt").read_text(encoding="utf-8")
     return frozenset(line.strip() for line in text.splitlines() if line.strip().startswith("--"))
 
 
