@@ -14,6 +14,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from slime.data.glm4_moe_shapes import GLM4_MOE_SHAPES, draw_expert_bias, glm4_moe_config
+
+__all__ = ["GLM4_MOE_SHAPES", "QWEN2_SHAPES", "QWEN3_MOE_SHAPES", "draw_expert_bias", "glm4_moe_config",
+           "qwen2_config", "qwen3_moe_config", "save_random_glm4_moe", "save_random_qwen2", "save_random_qwen3_moe"]
+
 QWEN2_SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 0.5B to 14B (the larger ones: what only LoRA fits on one GPU)
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
@@ -92,36 +97,6 @@ def save_random_qwen3_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.
     return Path(out_dir)
 
 
-# GLM-4.5 (glm4_moe): a CPU-sized "tiny" with every GLM-4.5 trait (a first dense layer, a shared expert, sigmoid
-# routing with an expert bias over 2 groups of 4 experts, routed_scaling_factor, half-rotary heads, q/k norm,
-# qkv biases; no MTP layer) and GLM-4.5-Air's per-layer dimensions with 4 of its 46 layers, for GPU work
-GLM4_MOE_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                 n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                 use_qk_norm=True, attention_bias=True, vocab_size=260, tie_word_embeddings=False,
-                 rms_norm_eps=1e-5, num_nextn_predict_layers=0),
-    "air-scaled": dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=96, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128,
-                       num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-                       routed_scaling_factor=1.0, use_qk_norm=False, attention_bias=True, vocab_size=151552,
-                       tie_word_embeddings=False, rms_norm_eps=1e-5, num_nextn_predict_layers=0),
-}
-
-
-def glm4_moe_config(size: str, max_position_embeddings: int = 4096, **overrides: Any) -> Any:
-    """The `Glm4MoeConfig` of a `GLM4_MOE_SHAPES` size: top-k weights renormalised, half of each head rotated
-    (`partial_rotary_factor` 0.5, as GLM-4.5 ships), rope theta 1e6."""
-    from transformers import Glm4MoeConfig
-
-    if size not in GLM4_MOE_SHAPES:
-        raise ValueError(f"unknown GLM-4.5 size {size!r}; known: {', '.join(GLM4_MOE_SHAPES)}")
-    options = dict(max_position_embeddings=max_position_embeddings, norm_topk_prob=True,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
-                   **GLM4_MOE_SHAPES[size])
-    return Glm4MoeConfig(**{**options, **overrides})
-
-
 def save_random_glm4_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.dtype = torch.float32,
                          seed: int = 0, max_position_embeddings: int = 4096, bias_scale: float = 0.1,
                          **overrides: Any) -> Path:
@@ -136,10 +111,7 @@ def save_random_glm4_moe(out_dir: str | Path, size: str = "tiny", dtype: torch.d
 
     torch.manual_seed(seed)
     model = Glm4MoeForCausalLM(glm4_moe_config(size, max_position_embeddings, **overrides)).to(dtype)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape) * bias_scale)
+    draw_expert_bias(model, bias_scale)
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     if model.config.num_nextn_predict_layers:

@@ -1,4 +1,4 @@
-"""The tiny model kit: a byte-level tokenizer, a tiny random Qwen2 (or Qwen3-MoE) and arithmetic data.
+"""The tiny model kit: a byte-level tokenizer, a tiny random Qwen2 (or Qwen3-MoE, GLM-4.5) and arithmetic data.
 
 Every test and `make run` need a model, a tokenizer and a task whose answers can be checked, and they
 must work on a CPU with no network. `make_tiny_kit` builds all of that locally and deterministically from
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 import slime
 from slime.data.arithmetic import draw_problem
+from slime.data.glm4_moe_shapes import draw_expert_bias, glm4_moe_config
 from slime.data.pretrain import PretrainRecipe, pretrain
 from slime.errors import ConfigError, DataFormatError
 
@@ -93,24 +94,61 @@ class _Strict(BaseModel):
 Digits = Annotated[int, Field(ge=1, le=15)]
 
 
-class MoeRecipe(_Strict):
-    """The sparse MLP that makes the checkpoint a Qwen3-MoE: in every layer `num_experts` SwiGLU experts of
-    width `moe_intermediate_size`, each token routed to the top `num_experts_per_tok` (their weights
-    renormalised, `norm_topk_prob`, as Qwen3-30B-A3B ships)."""
+GLM_FIELDS = ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
+              "partial_rotary_factor", "expert_bias_scale")
 
+
+class MoeRecipe(_Strict):
+    """The sparse MLP that makes the checkpoint a Qwen3-MoE (`model_type` qwen3_moe, the default): in every layer
+    `num_experts` SwiGLU experts of width `moe_intermediate_size`, each token routed to the top `num_experts_per_tok`
+    (their weights renormalised, `norm_topk_prob`, as Qwen3-30B-A3B ships). `model_type` glm4_moe: a GLM-4.5
+    (slime/data/glm4_moe_shapes.py's `glm4_moe_config`): the first `first_k_dense_replace` layers dense, then MoE
+    layers with `n_shared_experts` shared experts beside the routed ones, sigmoid routing with an expert bias
+    (drawn N(0, expert_bias_scale^2), seeded, so it changes which experts are picked, as a trained GLM-4.5's does)
+    over `n_group` groups of which the `topk_group` best are kept, the weights renormalised and scaled by
+    `routed_scaling_factor`, `partial_rotary_factor` of each head rotated, q/k norms and q/k/v biases. The GLM
+    fields are refused on a qwen3_moe."""
+
+    model_type: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"
     num_experts: int = Field(8, gt=1)
     num_experts_per_tok: int = Field(2, gt=0)
     moe_intermediate_size: int = Field(256, gt=0)
+    # glm4_moe only (GLM-4.5-Air's values, but the bias scale: the tiny GLM4_MOE_SHAPES')
+    n_shared_experts: int = Field(1, ge=0)
+    first_k_dense_replace: int = Field(1, ge=0)
+    n_group: int = Field(1, gt=0)
+    topk_group: int = Field(1, gt=0)
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    partial_rotary_factor: float = Field(0.5, gt=0, le=1)
+    expert_bias_scale: float = Field(0.1, ge=0)
 
     @model_validator(mode="after")
     def _topk_fits(self) -> MoeRecipe:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError("num_experts_per_tok must not exceed num_experts")
+        if self.model_type == "qwen3_moe":
+            if glm := [f for f in GLM_FIELDS if f in self.model_fields_set]:
+                raise ValueError(f"{', '.join(glm)}: GLM-4.5 fields; set model_type: glm4_moe")
+            return self
+        if self.num_experts % self.n_group:
+            raise ValueError("n_group must divide num_experts")
+        if self.topk_group > self.n_group:
+            raise ValueError("topk_group must not exceed n_group")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError("num_experts_per_tok must not exceed the experts of the topk_group groups kept")
         return self
+
+    def manifest_json(self) -> dict[str, Any]:
+        """As kit.json records it: a qwen3_moe without `model_type` and the GLM fields, as kits built before them."""
+        dump = self.model_dump(mode="json")
+        if self.model_type == "qwen3_moe":
+            for name in ("model_type", *GLM_FIELDS):
+                del dump[name]
+        return dump
 
 
 class ModelRecipe(_Strict):
-    """Shape of the random checkpoint: a Qwen2, or a Qwen3-MoE when `moe` is set."""
+    """Shape of the random checkpoint: a Qwen2, or a Qwen3-MoE or GLM-4.5 when `moe` is set."""
 
     hidden_size: int = Field(256, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
@@ -128,7 +166,9 @@ class ModelRecipe(_Strict):
     # what makes a 7B kit a minute's work (datasets/gpu-7b/recipe.yaml). Dense models without `pretrain` only.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # None: a dense Qwen2. Set: a Qwen3-MoE (qk-norm attention, head_dim hidden_size / num_attention_heads,
-    # every MLP sparse; `intermediate_size` is then only the config's width for dense layers, of which it has none).
+    # every MLP sparse; `intermediate_size` is then only the config's width for dense layers, of which it has none),
+    # or a GLM-4.5 (`moe.model_type` glm4_moe; same head_dim; its `first_k_dense_replace` dense layers have
+    # `intermediate_size`).
     moe: MoeRecipe | None = None
 
     @model_validator(mode="after")
@@ -140,6 +180,9 @@ class ModelRecipe(_Strict):
         if self.dtype != "float32" and self.moe is not None:
             raise ValueError(f"dtype {self.dtype}: the drawn-weights writer makes dense models only; an MoE kit is "
                              "float32")
+        if self.moe is not None and self.moe.first_k_dense_replace >= self.num_hidden_layers and \
+                self.moe.model_type == "glm4_moe":
+            raise ValueError("moe.first_k_dense_replace must leave at least one MoE layer (< num_hidden_layers)")
         return self
 
 
@@ -178,14 +221,17 @@ class TinyKitRecipe(_Strict):
 
     def manifest_json(self) -> dict[str, Any]:
         """The recipe as kit.json records it (no `pretrain` or `model.moe` key when there is none, no `model.dtype`
-        when it is float32, as kits built before those fields existed)."""
+        when it is float32, no GLM-4.5 fields in a qwen3_moe's `model.moe`, as kits built before those fields
+        existed)."""
         dump = self.model_dump(mode="json")
         if dump["model"]["dtype"] == "float32":
             del dump["model"]["dtype"]
         if dump["pretrain"] is None:
             del dump["pretrain"]
-        if dump["model"]["moe"] is None:
+        if self.model.moe is None:
             del dump["model"]["moe"]
+        else:
+            dump["model"]["moe"] = self.model.moe.manifest_json()
         return dump
 
 
@@ -364,7 +410,8 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _model_config(m: ModelRecipe, vocab_size: int, ids: dict[str, int]) -> Any:
-    """The HF config of the recipe's model: `Qwen2Config`, or `Qwen3MoeConfig` when `m.moe` is set."""
+    """The HF config of the recipe's model: `Qwen2Config`, `Qwen3MoeConfig` or (`moe.model_type` glm4_moe)
+    `Glm4MoeConfig` when `m.moe` is set."""
     from transformers import Qwen2Config, Qwen3MoeConfig
 
     common = dict(
@@ -383,6 +430,17 @@ def _model_config(m: ModelRecipe, vocab_size: int, ids: dict[str, int]) -> Any:
     )
     if m.moe is None:
         return Qwen2Config(use_sliding_window=False, **common)
+    if m.moe.model_type == "glm4_moe":
+        moe = m.moe
+        common["rope_parameters"]["partial_rotary_factor"] = moe.partial_rotary_factor
+        # every field of GLM4_MOE_SHAPES' tiny is set here: its shape gives only the traits the recipe does
+        # not vary (q/k norm, q/k/v biases, top-k renormalised, no MTP layer)
+        return glm4_moe_config(
+            "tiny", head_dim=m.hidden_size // m.num_attention_heads, n_routed_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok, moe_intermediate_size=moe.moe_intermediate_size,
+            n_shared_experts=moe.n_shared_experts, first_k_dense_replace=moe.first_k_dense_replace,
+            n_group=moe.n_group, topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
+            **common)
     # Qwen3MoeConfig's head_dim defaults to 128 whatever the hidden size; every layer sparse (decoder_sparse_step 1,
     # no mlp_only_layers), as the published Qwen3-MoE checkpoints and mbridge's bridge have them
     return Qwen3MoeConfig(
@@ -399,7 +457,7 @@ def _model_config(m: ModelRecipe, vocab_size: int, ids: dict[str, int]) -> Any:
 
 def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTokenizerFast) -> int:
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import GenerationConfig, Glm4MoeForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     m = recipe.model
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -416,9 +474,13 @@ def _save_model(model_dir: Path, recipe: TinyKitRecipe, tokenizer: PreTrainedTok
         torch.manual_seed(recipe.seed)
         torch.set_default_dtype(torch.float32)
         try:
-            model = (Qwen2ForCausalLM if m.moe is None else Qwen3MoeForCausalLM)(config)
+            model_class = Qwen2ForCausalLM if m.moe is None else (
+                Glm4MoeForCausalLM if m.moe.model_type == "glm4_moe" else Qwen3MoeForCausalLM)
+            model = model_class(config)
         finally:
             torch.set_default_dtype(old_dtype)
+        if m.moe is not None and m.moe.model_type == "glm4_moe":
+            draw_expert_bias(model, m.moe.expert_bias_scale)  # from the seeded RNG, after the init
     if recipe.pretrain is not None:
         pretrain(model, tokenizer, recipe.pretrain, recipe.seed)
     model.generation_config = GenerationConfig(**ids)

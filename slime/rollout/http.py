@@ -8,6 +8,11 @@ The router forwards `/generate` but answers 404 for `/abort_request` (research/e
 goes to every worker URL directly, listed from the router's `GET /workers`; "idle" is read from each
 worker's `GET /get_load` (SGLang and the built-in engine both serve it).
 
+sglang-router 0.3.2 re-serialises a `/generate` body through its own request type, which has no
+`return_routed_experts` nor `routed_experts_start_len`: it drops them, and the engine answers without routed
+experts (a known gap of SGLang's router, sgl-project/sglang#20696; slime sends R3 through its own router). So a
+`/generate` that asks for them goes to a healthy worker directly, the workers taken in turn (`generate_url`).
+
 Timeouts: a non-streaming `/generate` sends nothing until the whole response is done, so the client's
 read timeout bounds a generation. It is `rollout_http_timeout_s`, by default None (no limit, as slime's
 client): the router bounds every request it forwards (`--sglang-router-request-timeout-secs` per attempt,
@@ -79,6 +84,25 @@ def router_url(args: Any) -> str:
         raise EngineError("args.sglang_router_port is not set: start the router (SGLangRouter) and put its "
                           "port in args before running a rollout")
     return f"http://{getattr(args, 'sglang_router_ip', None) or '127.0.0.1'}:{port}"
+
+
+# per event loop: how many `/generate` calls `generate_url` sent past the router (its round robin)
+_DIRECT_SENT: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[int]] = weakref.WeakKeyDictionary()
+
+
+async def generate_url(args: Any, *, return_routed_experts: bool = False) -> str:
+    """Where a rollout `/generate` goes: the router's, or (`return_routed_experts`, which the router drops) a
+    healthy worker's of the router's listing, taken in turn."""
+    if not return_routed_experts:
+        return f"{router_url(args)}/generate"
+    listing = await engine_client(args).get(f"{router_url(args)}/workers", timeout_s=CONTROL_TIMEOUT_S)
+    healthy = sorted(w["url"].rstrip("/") for w in listing["workers"] if w.get("is_healthy", True))
+    if not healthy:
+        raise EngineError(f"no healthy worker at the router {router_url(args)} to send a /generate with "
+                          "return_routed_experts to")
+    sent = _DIRECT_SENT.setdefault(asyncio.get_running_loop(), [0])
+    sent[0] += 1
+    return f"{healthy[(sent[0] - 1) % len(healthy)]}/generate"
 
 
 async def worker_urls(client: EngineClient, url: str) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.rollout.http import engine_client, router_url
+from slime.rollout.http import engine_client, generate_url
 from slime.rollout.routing import apply_routed_experts
 from slime.types import Sample, Status, parse_weight_version
 
@@ -94,7 +94,8 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
     `max_new_tokens` of `sampling_params` nor prompt + response `rollout_max_context_len`. With nothing
     left it raises ValueError and sends nothing: check `budget_left` first. Does not modify `sample`;
     pass the answer to `append_model_output`. `return_routed_experts` asks a MoE model's engine for the experts
-    every token was routed to (routing.py; a dense model's engine refuses it).
+    every token was routed to (routing.py; a dense model's engine refuses it), past the router, which drops the
+    field (http.generate_url).
     """
     params = dict(sampling_params)
     limit = response_limit(args, sample, sampling_params)
@@ -113,7 +114,8 @@ async def generate_turn(args: Any, sample: Sample, sampling_params: dict[str, An
         payload["return_routed_experts"] = True
     if getattr(args, "engine_lora_name", None):  # adapter sync: the engines hold the policy as this adapter
         payload["lora_path"] = args.engine_lora_name
-    return await engine_client(args).post(f"{router_url(args)}/generate", payload)
+    return await engine_client(args).post(await generate_url(args, return_routed_experts=return_routed_experts),
+                                          payload)
 
 
 def budget_left(sample: Sample, sampling_params: dict[str, Any], args: Any = None) -> int | None:

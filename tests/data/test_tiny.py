@@ -397,7 +397,43 @@ def test_the_moe_kit_is_the_tiny_kits_data_with_a_qwen3_moe(tmp_path: Path) -> N
     assert manifest["recipe"]["model"]["moe"] == {"num_experts": 8, "num_experts_per_tok": 2,
                                                   "moe_intermediate_size": 512}
     assert "moe" not in _manifest(dense)["recipe"]["model"]  # dense kits' kit.json as before the field
+    # byte for byte the kit built before the GLM-4.5 fields (model_type, n_group, ...) came into `model.moe`
+    assert hashlib.sha256(moe.manifest.read_bytes()).hexdigest() == \
+        "c607af9f7ff2d094237fd76a210e2961939c9f0008c0a6fcbc4c16312fffe071"
     assert make_tiny_kit(tmp_path / "again", recipe).manifest.read_bytes() == moe.manifest.read_bytes()
+
+
+def test_the_glm_kit_is_the_tiny_kits_data_with_a_glm4_moe(tmp_path: Path) -> None:
+    """datasets/tiny-glm/recipe.yaml: the tiny kit's data files, a seeded random GLM-4.5 of the recipe's shape, every
+    GLM-4.5 trait set (random_models.glm4_moe_config), its expert bias drawn (non-zero, seeded)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    recipe = load_recipe(tiny.default_recipe_path().parents[1] / "tiny-glm" / "recipe.yaml")
+    assert recipe.data == load_recipe().data and recipe.seed == load_recipe().seed
+    glm = make_tiny_kit(tmp_path / "glm", recipe)
+    dense = make_tiny_kit(tmp_path / "dense")
+    for split in ("train", "eval", "sft"):
+        assert getattr(glm, split).read_bytes() == getattr(dense, split).read_bytes()
+    config = AutoConfig.from_pretrained(glm.model_dir)
+    assert config.model_type == "glm4_moe" and config.norm_topk_prob and config.num_nextn_predict_layers == 0
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 256)
+    assert (config.n_shared_experts, config.first_k_dense_replace, config.n_group, config.topk_group) == (1, 1, 2, 1)
+    assert config.routed_scaling_factor == 2.5 and config.rope_parameters["partial_rotary_factor"] == 0.5
+    assert config.use_qk_norm and config.attention_bias and not config.tie_word_embeddings
+    assert config.head_dim == 32 and config.vocab_size == 384 and config.intermediate_size == 1024
+    weights = load_file(glm.model_dir / "model.safetensors")
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (1024, 256)  # the dense first layer
+    assert "model.layers.0.mlp.gate.weight" not in weights
+    assert weights["model.layers.3.mlp.experts.7.down_proj.weight"].shape == (256, 256)
+    assert weights["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (256, 256)
+    biases = [weights[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in (1, 2, 3)]
+    assert all(b.shape == (8,) and (b != 0).all() and 0.02 < b.std() < 0.5 for b in biases)  # N(0, 0.1^2)
+    assert not biases[0].equal(biases[1])
+    manifest = _manifest(glm)
+    assert manifest["recipe"]["model"]["moe"]["model_type"] == "glm4_moe"
+    assert manifest["recipe"]["model"]["moe"]["expert_bias_scale"] == 0.1
+    assert make_tiny_kit(tmp_path / "again", recipe).manifest.read_bytes() == glm.manifest.read_bytes()
 
 
 def test_default_recipe_file_matches_model_defaults() -> None:
@@ -416,6 +452,12 @@ def test_default_recipe_file_matches_model_defaults() -> None:
         ("model:\n  num_attention_heads: 3\n", "model"),
         ("model:\n  moe:\n    num_experts: 2\n    num_experts_per_tok: 3\n", "model.moe"),
         ("model:\n  moe:\n    num_expert: 8\n", "model.moe.num_expert"),
+        ("model:\n  moe:\n    n_group: 2\n", "model.moe"),  # a GLM-4.5 field on a qwen3_moe
+        ("model:\n  moe:\n    model_type: glm4_moe\n    n_group: 3\n", "model.moe"),
+        ("model:\n  moe:\n    model_type: glm4_moe\n    n_group: 4\n    topk_group: 1\n    num_experts_per_tok: 3\n",
+         "model.moe"),
+        ("model:\n  num_hidden_layers: 1\n  moe:\n    model_type: glm4_moe\n", "model"),
+        ("model:\n  moe:\n    model_type: deepseek_v3\n", "model.moe.model_type"),
     ],
 )
 def test_bad_recipe_field(tmp_path: Path, yaml_text: str, field: str) -> None:

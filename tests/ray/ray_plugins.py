@@ -109,3 +109,18 @@ def double_advantages(args, rollout_id, rollout_data) -> None:
     """--rollout-data-postprocess-path: doubles the advantages the trainer then uses."""
     _record(args, {"hook": "postprocess", "rollout_id": rollout_id})
     rollout_data["advantages"] = [2 * a for a in rollout_data["advantages"]]
+
+
+async def generate_other_experts(args, sample: Sample, sampling_params) -> Sample:
+    """--custom-generate-function-path: slime's generate, then every MoE layer's recorded expert e replaced by
+    (e + E/2) mod E (E: the model's routed experts; a dense layer's -1 kept): the trainer, replaying these (R3),
+    routes every token elsewhere than the engine did (tests/rl/test_rl_glm4_moe.py)."""
+    from transformers import AutoConfig
+
+    from slime.rollout.generate import generate
+
+    sample = await generate(args, sample, sampling_params)
+    experts = AutoConfig.from_pretrained(args.hf_checkpoint).n_routed_experts
+    sample.rollout_routed_experts = [[e if e < 0 else (e + experts // 2) % experts for e in row]
+                                     for row in sample.rollout_routed_experts]
+    return sample

@@ -15,8 +15,9 @@ from slime.data.tiny import build_tokenizer
 from slime.engines.builtin.engine import BuiltinEngine, EngineArgs
 from slime.engines.builtin.moe import encode_routed_experts
 from slime.engines.client import EngineClient
-from slime.errors import DataFormatError
+from slime.errors import DataFormatError, EngineError
 from slime.rollout.generate import generate, truncate_response
+from slime.rollout.http import generate_url
 from slime.rollout.multiturn import append_model_output
 from slime.rollout.routing import apply_routed_experts, decode_routed_experts, wants_routed_experts
 from slime.types import Sample
@@ -61,13 +62,22 @@ def test_each_answer_replaces_the_record_and_a_start_keeps_what_came_before():
 
 
 class RoutingRouter:
-    """Replaces `EngineClient.post`: records each payload, answers 3 tokens with routed experts when asked."""
+    """Replaces `EngineClient.post` and `.get`: records each payload and where it went, answers 3 tokens with routed
+    experts when asked; lists two healthy workers and a dead one at `/workers`."""
+
+    WORKERS = ["http://w2:1", "http://w1:1/", "http://dead:1"]
 
     def __init__(self) -> None:
         self.payloads: list[dict] = []
+        self.urls: list[str] = []
+
+    async def get(self, url: str, timeout_s=None):
+        assert url == "http://127.0.0.1:1/workers"
+        return {"workers": [{"url": u, "is_healthy": "dead" not in u} for u in self.WORKERS]}
 
     async def post(self, url: str, json=None):
         self.payloads.append(json)
+        self.urls.append(url)
         meta = {"output_token_logprobs": [[-0.5, 7, None]] * 3, "finish_reason": {"type": "length"},
                 "weight_version": "1"}
         if json.get("return_routed_experts"):
@@ -79,16 +89,34 @@ class RoutingRouter:
 def test_generate_asks_only_with_routing_replay(monkeypatch, replay):
     router = RoutingRouter()
     monkeypatch.setattr(EngineClient, "post", router.post)
+    monkeypatch.setattr(EngineClient, "get", router.get)
     args = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=1, use_rollout_routing_replay=replay)
     assert wants_routed_experts(args) is replay
     sample = asyncio.run(generate(args, Sample(prompt="p", tokens=[1, 2, 3, 4]), {"max_new_tokens": 3}))
     assert router.payloads[0].get("return_routed_experts", False) is replay
+    # sglang-router 0.3.2 drops return_routed_experts from the bodies it forwards: asked, generate goes to a worker
+    assert router.urls[0] == ("http://w1:1/generate" if replay else "http://127.0.0.1:1/generate")
     if replay:
         assert len(sample.rollout_routed_experts) == len(sample.tokens) - 1 == 6
         assert all(len(row) == LAYERS * TOP_K for row in sample.rollout_routed_experts)
     else:
         assert sample.rollout_routed_experts is None
     sample.validate()
+
+
+def test_asking_for_routed_experts_sends_past_the_router_to_each_healthy_worker_in_turn(monkeypatch):
+    router = RoutingRouter()
+    monkeypatch.setattr(EngineClient, "get", router.get)
+    args = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=1)
+
+    async def urls(n: int, routed: bool) -> list[str]:
+        return [await generate_url(args, return_routed_experts=routed) for _ in range(n)]
+
+    assert asyncio.run(urls(4, True)) == ["http://w1:1/generate", "http://w2:1/generate"] * 2
+    assert asyncio.run(urls(2, False)) == ["http://127.0.0.1:1/generate"] * 2
+    router.WORKERS = ["http://dead:1"]
+    with pytest.raises(EngineError, match="no healthy worker at the router http://127.0.0.1:1"):
+        asyncio.run(urls(1, True))
 
 
 def test_built_in_engine_answers_fold_into_the_sample(tmp_path):
