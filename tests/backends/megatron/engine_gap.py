@@ -82,7 +82,14 @@ def measure(hf_dir: str, noise: float = 0.1, dtype: str = "float32") -> dict:
     """The gap and first-step ppo_kl without and with R3 (Megatron's parallel state initialised by the caller)."""
     with tempfile.TemporaryDirectory() as tmp:
         samples = rollout(engine_dir(hf_dir, Path(tmp) / "engine", noise), 260, dtype)
-    out: dict = {"noise": noise, "engine_dtype": dtype, "response_tokens": sum(s.response_length for s in samples)}
+    return {"noise": noise, "engine_dtype": dtype, **replay_gaps(hf_dir, samples)}
+
+
+def replay_gaps(hf_dir: str, samples: list[Sample]) -> dict:
+    """For rollout `samples` carrying their routed experts: the trainer's |log-prob - rollout log-prob| (mean, max)
+    and a first GRPO step's ppo_kl, without and with R3 (each on a fresh model of `hf_dir`); how many token x MoE
+    layer routings the trainer's own routers choose otherwise than the rollout's (`routing_flips`)."""
+    out: dict = {"response_tokens": sum(s.response_length for s in samples)}
     for name, replay in (("without_r3", False), ("with_r3", True)):
         bridge = make_bridge(hf_dir, routing_replay=True)
         models = build_model(bridge, hf_dir, wrap_with_ddp=True)
@@ -99,6 +106,7 @@ def measure(hf_dir: str, noise: float = 0.1, dtype: str = "float32") -> dict:
         metrics = train_step(models, optimizer, samples, STEP, vocab_size=vocab,
                              arrays=TrainArrays(routed_experts=records if replay else None))
         out[name] = {"mean_abs_gap": mean, "max_abs_gap": most, "ppo_kl": metrics["ppo_kl"]}
+        out["router_layers"] = routers.layers
         out["routing_flips"] = flips
         out["routed_token_layers"] = sum(r.shape[0] * len(routers.layers) for r in records)
     return out

@@ -17,15 +17,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from engine_gap import STEP, engine_dir, gaps
+from engine_gap import engine_dir, replay_gaps
 from transformers import AutoModelForCausalLM
 
-from slime.backends.megatron import routing_replay
-from slime.backends.megatron.bridge import build_model, init_megatron, make_bridge
-from slime.backends.megatron.logprobs import compute_log_probs
-from slime.backends.megatron.optimizer import build_optimizer
-from slime.backends.megatron.step_data import TrainArrays
-from slime.backends.megatron.train import train_step
+from slime.backends.megatron.bridge import init_megatron
 from slime.types import Sample
 
 PROMPTS, NEW_TOKENS = 8, 24
@@ -67,28 +62,8 @@ def main() -> None:
     init_megatron(seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         samples = rollout(engine_dir(hf_dir, Path(tmp) / "engine", noise))
-    out: dict = {"noise": noise, "response_tokens": sum(s.response_length for s in samples),
-                 "dense_layer_ids": sorted({row[j] for s in samples for row in s.rollout_routed_experts
-                                            for j in range(2)})}
-    for name, replay in (("without_r3", False), ("with_r3", True)):
-        bridge = make_bridge(hf_dir, routing_replay=True)
-        models = build_model(bridge, hf_dir, wrap_with_ddp=True)
-        routers = routing_replay.require_routers(models)
-        records = routing_replay.rollout_records(samples, routers)
-        vocab = bridge.hf_config.vocab_size
-        own = compute_log_probs(models, samples, vocab_size=vocab, micro_batch_size=4, record_routing=True)
-        flips = sum(int((o[:, routers.layers].sort(-1).values != r[:, routers.layers].sort(-1).values).any(-1).sum())
-                    for o, r in zip(own.routed_experts, records, strict=True))
-        scored = compute_log_probs(models, samples, vocab_size=vocab, micro_batch_size=4,
-                                   routed_experts=records if replay else None).log_probs
-        mean, most = gaps(samples, scored)
-        optimizer = build_optimizer(models, lr=1e-3, clip_grad=1.0)
-        metrics = train_step(models, optimizer, samples, STEP, vocab_size=vocab,
-                             arrays=TrainArrays(routed_experts=records if replay else None))
-        out[name] = {"mean_abs_gap": mean, "max_abs_gap": most, "ppo_kl": metrics["ppo_kl"]}
-        out["router_layers"] = routers.layers
-        out["routing_flips"] = flips
-        out["routed_token_layers"] = sum(r.shape[0] * len(routers.layers) for r in records)
+    out = {"noise": noise, "dense_layer_ids": sorted({row[j] for s in samples for row in s.rollout_routed_experts
+                                                      for j in range(2)}), **replay_gaps(hf_dir, samples)}
     print(json.dumps(out), flush=True)
 
 
