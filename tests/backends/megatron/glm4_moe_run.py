@@ -17,6 +17,7 @@ import sys
 
 import torch
 from mbridge.core.util import unwrap_model
+from moe_train import SFT, lora  # the Qwen3-MoE rank script's SFT step and LoRA refusal case
 from parity_samples import make_samples
 from transformers import AutoModelForCausalLM
 
@@ -29,7 +30,6 @@ from slime.config import load_config
 from slime.errors import ConfigError
 from slime.types import Sample
 
-SFT = StepSettings(loss_type="sft_loss", micro_batch_size=2)
 GRPO = StepSettings(loss_type="policy_loss", micro_batch_size=2, advantage_estimator="grpo")
 # slime's scripts/models/glm4.5-355B-A32B.sh MODEL_ARGS with the tiny model's shape (1 dense + 2 MoE layers)
 SLIME_FLAGS = ["--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "4",
@@ -189,17 +189,6 @@ def mtp(hf_dir: str, work: str) -> dict:
     exported = run_export(config)
     return {"case": "mtp", "logs": [r for r in records if "MTP" in r], "export": exported["hf_dir"],
             "carried": exported.get("carried_from_origin")}
-
-
-def lora(hf_dir: str) -> dict:
-    from slime.backends.megatron.lora import LoraSpec, lora_callback
-
-    spec = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("linear_qkv",))
-    try:
-        build_model(make_bridge(hf_dir), hf_dir, wrap_with_ddp=True, post_create=lora_callback(spec))
-    except ConfigError as e:
-        return {"case": "lora", "refused": str(e)}
-    return {"case": "lora", "refused": None}
 
 
 def main() -> None:
