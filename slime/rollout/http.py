@@ -95,8 +95,7 @@ async def generate_url(args: Any, *, return_routed_experts: bool = False) -> str
     healthy worker's of the router's listing, taken in turn."""
     if not return_routed_experts:
         return f"{router_url(args)}/generate"
-    listing = await engine_client(args).get(f"{router_url(args)}/workers", timeout_s=CONTROL_TIMEOUT_S)
-    healthy = sorted(w["url"].rstrip("/") for w in listing["workers"] if w.get("is_healthy", True))
+    healthy = sorted(await worker_urls(engine_client(args), router_url(args), healthy_only=True))
     if not healthy:
         raise EngineError(f"no healthy worker at the router {router_url(args)} to send a /generate with "
                           "return_routed_experts to")
@@ -105,10 +104,11 @@ async def generate_url(args: Any, *, return_routed_experts: bool = False) -> str
     return f"{healthy[(sent[0] - 1) % len(healthy)]}/generate"
 
 
-async def worker_urls(client: EngineClient, url: str) -> list[str]:
-    """Every worker registered at the router `url` (healthy or not: an abort must reach them all)."""
+async def worker_urls(client: EngineClient, url: str, *, healthy_only: bool = False) -> list[str]:
+    """Every worker registered at the router `url` (healthy or not: an abort must reach them all), or with
+    `healthy_only` those the router reports healthy (a listing without `is_healthy` counts as healthy)."""
     listing = await client.get(f"{url}/workers", timeout_s=CONTROL_TIMEOUT_S)
-    return [w["url"].rstrip("/") for w in listing["workers"]]
+    return [w["url"].rstrip("/") for w in listing["workers"] if not healthy_only or w.get("is_healthy", True)]
 
 
 def num_requests(load: Any) -> int:
